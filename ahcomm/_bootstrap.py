@@ -1,0 +1,146 @@
+"""Building a communicator: rendezvous, CCL buffers, one link per peer, a first handshake.
+
+The transport of each peer is chosen from a table tried in order (as NCCL does): sdma if
+the peer is on this host (and AHCOMM_TRANSPORT does not force rdma), else rdma.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from ._buffers import CclBuffers
+from ._comm import Comm
+from ._config import Config
+from ._errors import ConfigError, ConnectError
+from ._rendezvous import host_identity, local_address, register, serve
+from .algorithms import REGISTRY
+from .algorithms._executor import Progress
+from .algorithms._selection import Selector
+from .algorithms.base import Topology
+from .transports._zmq import Channel
+from .transports.base import Link, Signal
+from .transports.inproc import InprocWorld
+from .transports.rdma import RdmaLink
+from .transports.sdma import SdmaLink
+
+HELLO_INDEX = 0xFFFF  # notify index of the connection handshake (never used by algorithms)
+
+
+def _resolve_config(config: Config | None, rank: int | None, world_size: int | None,
+                    master_addr: str | None, master_port: int | None) -> tuple[Config, int, int, int]:
+    cfg = config or Config.from_env()
+    rank = cfg.rank if rank is None else rank
+    size = cfg.world_size if world_size is None else world_size
+    port = cfg.master_port if master_port is None else master_port
+    if master_addr is not None:
+        cfg = Config(**{**cfg.__dict__, "master_addr": master_addr})
+    if size is None or rank is None:
+        raise ConfigError("rank and world size are unknown: run under ahcomm-run (or torchrun, mpirun, srun), "
+                          "set AHCOMM_RANK/AHCOMM_WORLD_SIZE, or pass rank= and world_size= to init()")
+    if not 0 <= rank < size:
+        raise ConfigError(f"rank {rank} is out of range for world size {size}")
+    if size > 1 and port is None:
+        raise ConfigError("the rendezvous port is unknown: set AHCOMM_MASTER_PORT (or MASTER_PORT) "
+                          "or pass master_port= to init()")
+    return cfg, rank, size, port or 0
+
+
+async def create(config: Config | None = None, *, rank: int | None = None, world_size: int | None = None,
+                 master_addr: str | None = None, master_port: int | None = None) -> Comm:
+    """Join the job described by ``config`` (default: the environment) and return a Comm."""
+    cfg, rank, size, port = _resolve_config(config, rank, world_size, master_addr, master_port)
+    host = host_identity(cfg.server_id)
+    shared = cfg.transport != "rdma" and size > 1
+    buffers = CclBuffers.shared(cfg.buffsize, f"r{rank}") if shared else CclBuffers.local(cfg.buffsize)
+    channel: Channel | None = None
+    links: dict[int, Link] = {}
+    progress = Progress(rank, size)
+    try:
+        if size > 1:
+            tcp_host = cfg.if_ip or local_address(cfg.master_addr)
+            channel = Channel(rank, buffers, ipc=shared, tcp_host=tcp_host)
+            info = {
+                "rank": rank, "size": size, "host": host, "endpoints": channel.endpoints,
+                "shm": [buffers.ccl_in.name, buffers.ccl_out.name] if shared else None,
+                "buffsize": buffers.nbytes,
+            }
+            server = (asyncio.ensure_future(serve(cfg.master_addr, port, size, cfg.connect_timeout))
+                      if rank == 0 else None)
+            try:
+                table = await register(cfg.master_addr, port, info, cfg.connect_timeout)
+            finally:
+                if server is not None:
+                    await server
+            links = _connect(rank, table, channel, cfg, host, progress)
+            channel.start()
+            await _handshake(rank, links, cfg.connect_timeout)
+            buffers.unlink()  # every peer has mapped our buffers: no name left to leak
+            hosts = tuple(e["host"] for e in table)
+        else:
+            hosts = (host,)
+    except BaseException:
+        if channel is not None:
+            channel.close()
+        buffers.close()
+        raise
+    kinds = tuple("self" if p == rank else links[p].kind for p in range(size))
+    topo = Topology(rank=rank, size=size, hosts=hosts, link_kinds=kinds)
+
+    async def on_close() -> None:
+        if channel is not None:
+            channel.close()
+        buffers.close()
+
+    return Comm(rank=rank, size=size, links=links, buffers=buffers, topo=topo, progress=progress,
+                selector=Selector(REGISTRY, cfg.algo), exec_timeout=cfg.exec_timeout, on_close=on_close)
+
+
+def _connect(rank: int, table: list[dict[str, Any]], channel: Channel, cfg: Config, host: str,
+             progress: Progress) -> dict[int, Link]:
+    links: dict[int, Link] = {}
+    for entry in table:
+        peer = int(entry["rank"])
+        if peer == rank:
+            continue
+        same_host = entry["host"] == host
+        if cfg.transport == "sdma" and not same_host:
+            raise ConfigError(f"AHCOMM_TRANSPORT=sdma but rank {peer} is on another host ({entry['host']})")
+        if same_host and cfg.transport != "rdma" and entry.get("shm") and "ipc" in entry["endpoints"]:
+            shm_in, shm_out = entry["shm"]
+            links[peer] = SdmaLink(rank, peer, channel, entry["endpoints"]["ipc"], shm_in, shm_out,
+                                   int(entry["buffsize"]), progress.reached)
+        else:
+            links[peer] = RdmaLink(rank, peer, channel, entry["endpoints"]["tcp"], progress.reached)
+    return links
+
+
+async def _handshake(rank: int, links: dict[int, Link], timeout: float) -> None:
+    """Post a hello on every link and wait for every peer's: all links are up."""
+    for link in links.values():
+        link.post(Signal.ACK, HELLO_INDEX, 0)
+    try:
+        async with asyncio.timeout(timeout):
+            for link in links.values():
+                await link.wait(Signal.ACK, HELLO_INDEX, 0)
+    except TimeoutError:
+        silent = [p for p, link in links.items() if link.notify(Signal.ACK, HELLO_INDEX, 0).value == 0]
+        raise ConnectError(f"rank {rank}: links to ranks {silent} did not come up within {timeout:g} s") from None
+
+
+async def create_inprocess(size: int, *, buffsize: int | None = None, algo: str = "") -> list[Comm]:
+    """``size`` communicators in this event loop, joined by in-process links (for tests)."""
+    cfg = Config.from_env({})
+    nbytes = buffsize or cfg.buffsize
+    world = InprocWorld(size)
+    for r in range(size):
+        world.register(r, CclBuffers.local(nbytes))
+    comms = []
+    for r in range(size):
+        progress = Progress(r, size)
+        links: dict[int, Link] = dict(world.connect(r, progress.reached))
+        kinds = tuple("self" if p == r else "inproc" for p in range(size))
+        topo = Topology(rank=r, size=size, hosts=("inproc",) * size, link_kinds=kinds)
+        comms.append(Comm(rank=r, size=size, links=links, buffers=world.buffers[r], topo=topo, progress=progress,
+                          selector=Selector(REGISTRY, algo), exec_timeout=cfg.exec_timeout))
+    return comms

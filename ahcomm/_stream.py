@@ -1,0 +1,145 @@
+"""Stream: an asyncio task that runs submitted tasks strictly in order.
+
+As on an NPU stream, tasks are enqueued without waiting and run one after another:
+memory tasks (copy, reduce), link tasks (put, post, wait) and notify tasks. Streams run
+concurrently with each other and synchronise through notifies. Memory tasks larger than
+``ENGINE_THRESHOLD`` bytes run on the stream's copy engine (one worker thread; numpy
+releases the GIL), so the event loop stays responsive during large collectives.
+
+A failed task puts the stream into a failed state: later tasks are skipped until the next
+``synchronize()``, which raises the error and leaves the stream usable again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Awaitable, Callable
+
+import numpy as np
+
+from ._notify import Notify
+
+ENGINE_THRESHOLD = 256 * 1024
+
+TaskFn = Callable[[], "Awaitable[Any] | None"]
+
+
+class Stream:
+    """An ordered queue of tasks executed by one asyncio task."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._queue: deque[tuple[TaskFn, asyncio.Future[None] | None]] = deque()
+        self._wakeup: asyncio.Future[None] | None = None
+        self._runner: asyncio.Task[None] | None = None
+        self._error: BaseException | None = None
+        self._engine: ThreadPoolExecutor | None = None
+        self._closed = False
+        self.tasks_run = 0
+
+    # -- submission -------------------------------------------------------------------
+    def submit(self, fn: TaskFn) -> None:
+        """Enqueue ``fn``: a callable returning None or an awaitable to be awaited in order."""
+        self._push(fn, None)
+
+    def _push(self, fn: TaskFn, marker: asyncio.Future[None] | None) -> None:
+        if self._closed:
+            raise RuntimeError(f"stream {self.name} is closed")
+        self._queue.append((fn, marker))
+        if self._runner is None:
+            self._runner = asyncio.get_running_loop().create_task(self._run(), name=f"ahcomm-stream-{self.name}")
+        elif self._wakeup is not None and not self._wakeup.done():
+            self._wakeup.set_result(None)
+
+    def copy(self, dst: np.ndarray, src: np.ndarray) -> None:
+        """dst[...] = src (same shape and dtype)."""
+        self.submit(lambda: self.memory(np.copyto, dst, src))
+
+    def reduce(self, ufunc: np.ufunc, dst: np.ndarray, a: np.ndarray, b: np.ndarray) -> None:
+        """dst = ufunc(a, b); dst may alias a or b."""
+        self.submit(lambda: self.memory(ufunc, a, b, out=dst))
+
+    def post(self, notify: Notify) -> None:
+        self.submit(lambda: notify.post())
+
+    def wait(self, notify: Notify) -> None:
+        self.submit(notify.wait)
+
+    def call(self, fn: Callable[[], Any]) -> None:
+        """Run an arbitrary synchronous callable in stream order."""
+        def task() -> None:
+            fn()
+        self.submit(task)
+
+    # -- execution ----------------------------------------------------------------------
+    def memory(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> "Awaitable[Any] | None":
+        """Run a numpy memory op inline if small, else on this stream's copy engine."""
+        nbytes = max((a.nbytes for a in args if isinstance(a, np.ndarray)), default=0)
+        if nbytes < ENGINE_THRESHOLD:
+            fn(*args, **kwargs)
+            return None
+        if self._engine is None:
+            self._engine = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"ahcomm-engine-{self.name}")
+        return asyncio.get_running_loop().run_in_executor(self._engine, lambda: fn(*args, **kwargs))
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        queue = self._queue
+        while True:
+            while not queue:
+                self._wakeup = loop.create_future()
+                await self._wakeup
+                self._wakeup = None
+            fn, marker = queue.popleft()
+            if marker is not None:
+                if not marker.done():
+                    if self._error is not None:
+                        marker.set_exception(self._error)
+                    else:
+                        marker.set_result(None)
+                self._error = None
+                continue
+            if self._error is not None:
+                continue  # skip work after a failure, up to the next synchronize()
+            try:
+                result = fn()
+                if result is not None:
+                    await result
+                self.tasks_run += 1
+            except asyncio.CancelledError:
+                if self._closed:
+                    raise
+                self._error = asyncio.CancelledError()
+            except BaseException as exc:  # noqa: BLE001 - reported at synchronize()
+                self._error = exc
+
+    async def synchronize(self) -> None:
+        """Wait until every task submitted so far has run; raise the first failure, if any."""
+        marker: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._push(lambda: None, marker)
+        await marker
+
+    def abort(self, error: BaseException) -> None:
+        """Drop queued work and fail pending synchronize() calls with ``error``."""
+        self._error = error
+        pending = [m for _, m in self._queue if m is not None]
+        self._queue.clear()
+        for marker in pending:
+            if not marker.done():
+                marker.set_exception(error)
+        self._error = None
+
+    async def close(self) -> None:
+        self._closed = True
+        if self._runner is not None:
+            self._runner.cancel()
+            try:
+                await self._runner
+            except BaseException:  # noqa: BLE001 - shutting down
+                pass
+            self._runner = None
+        if self._engine is not None:
+            self._engine.shutdown(wait=False)
+            self._engine = None

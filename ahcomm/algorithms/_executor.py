@@ -1,0 +1,150 @@
+"""The executor: runs one collective with a chosen algorithm, slice by slice.
+
+It owns the communicator's streams and decides which half of the CCL buffers a collective
+uses (by the parity of its sequence number). Collective ``seq`` may write into a half only
+once every peer is known to have finished ``seq - 2``, the last user of that half. That
+knowledge comes for free when a collective's result depends on every rank (all_reduce,
+all_gather, reduce_scatter, barrier: completing it proves every peer started it); after
+the others (broadcast, empty calls) the executor tells each peer where it stands.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+
+from .._buffers import CclBuffers
+from .._stream import Stream
+from ..transports.base import Link
+from .base import Algorithm, Call, Context, Topology
+
+ALL_DEPENDENT = frozenset({"all_reduce", "all_gather", "reduce_scatter", "barrier"})
+PAGE = 4096
+
+
+class Progress:
+    """How far each peer is known to have got: ``finished[p]`` = last seq p completed."""
+
+    def __init__(self, rank: int, size: int) -> None:
+        self.rank = rank
+        self.finished = [-1] * size
+        self._waiters: list[tuple[int, asyncio.Future[None]]] = []
+
+    def reached(self, peer: int, seq: int) -> None:
+        """``peer`` has started collective ``seq`` (so it finished ``seq - 1``)."""
+        if seq - 1 > self.finished[peer]:
+            self.finished[peer] = seq - 1
+            self._wake()
+
+    def all_started(self, seq: int) -> None:
+        for peer in range(len(self.finished)):
+            if seq - 1 > self.finished[peer]:
+                self.finished[peer] = seq - 1
+        self._wake()
+
+    def low(self) -> int:
+        return min((f for p, f in enumerate(self.finished) if p != self.rank), default=1 << 62)
+
+    async def wait_all(self, seq: int) -> None:
+        """Until every peer has finished collective ``seq``."""
+        if seq < 0 or self.low() >= seq:
+            return
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiters.append((seq, fut))
+        await fut
+
+    def _wake(self) -> None:
+        if not self._waiters:
+            return
+        low = self.low()
+        keep = []
+        for seq, fut in self._waiters:
+            if low >= seq:
+                if not fut.done():
+                    fut.set_result(None)
+            else:
+                keep.append((seq, fut))
+        self._waiters = keep
+
+    def fail(self, error: BaseException) -> None:
+        for _, fut in self._waiters:
+            if not fut.done():
+                fut.set_exception(error)
+        self._waiters = []
+
+
+class Executor:
+    """Runs collectives of one communicator, one at a time, in sequence order."""
+
+    def __init__(self, rank: int, size: int, links: dict[int, Link], buffers: CclBuffers,
+                 topo: Topology, progress: Progress) -> None:
+        self.rank = rank
+        self.size = size
+        self.links = links
+        self.buffers = buffers
+        self.topo = topo
+        self.progress = progress
+        self.half = buffers.nbytes // 2 // PAGE * PAGE
+        self.main = Stream("main")
+        self.subs: list[Stream] = []
+
+    def _substreams(self, count: int) -> list[Stream]:
+        while len(self.subs) < count:
+            self.subs.append(Stream(f"sub{len(self.subs)}"))
+        return self.subs[:count]
+
+    async def run(self, call: Call, algorithm: Algorithm, src: np.ndarray, dst: np.ndarray,
+                  ufunc: np.ufunc | None) -> None:
+        """Run ``call``; ``src``/``dst`` are flat, contiguous, of the call's dtype (may be one array)."""
+        inplace = src is dst
+        if self.size == 1 or (call.count == 0 and call.op != "barrier"):
+            if not inplace and src.size == dst.size:
+                np.copyto(dst, src)
+            self._report(call, communicated=False)
+            return
+        await self.progress.wait_all(call.seq - 2)
+        res = algorithm.resources(call, self.topo, self.half)
+        subs = self._substreams(res.substreams)
+        step = max(1, res.max_count or call.count)
+        parity = (call.seq & 1) * self.half
+        ccl_in = self.buffers.ccl_in.array[parity:parity + self.half]
+        ccl_out = self.buffers.ccl_out.array[parity:parity + self.half]
+        for a in range(0, max(call.count, 1), step):
+            b = min(a + step, call.count)
+            s, d = self._views(call, src, dst, a, b, inplace)
+            ctx = Context(call=call, rank=self.rank, size=self.size, links=self.links, src=s, dst=d,
+                          ccl_in=ccl_in, ccl_out=ccl_out, half_offset=parity, main=self.main, subs=subs,
+                          ufunc=ufunc, final=b == call.count)
+            await algorithm.orchestrate(ctx)
+        for link in self.links.values():
+            await link.flush()
+        self._report(call, communicated=True)
+
+    def _report(self, call: Call, communicated: bool) -> None:
+        if communicated and call.op in ALL_DEPENDENT:
+            self.progress.all_started(call.seq)
+        else:
+            for link in self.links.values():
+                link.send_progress(call.seq + 1)
+
+    def _views(self, call: Call, src: np.ndarray, dst: np.ndarray, a: int, b: int,
+               inplace: bool) -> tuple[np.ndarray, np.ndarray]:
+        n, count = self.size, call.count
+        if call.op == "all_gather":
+            return src[a:b], dst.reshape(n, count)[:, a:b]
+        if call.op == "reduce_scatter":
+            return src.reshape(n, count)[:, a:b], dst[a:b]
+        s = src[a:b]
+        return s, (s if inplace else dst[a:b])
+
+    async def close(self) -> None:
+        for stream in (self.main, *self.subs):
+            await stream.close()
+
+    def abort(self, error: BaseException) -> None:
+        self.progress.fail(error)
+        for link in self.links.values():
+            link.fail(error)
+        for stream in (self.main, *self.subs):
+            stream.abort(error)

@@ -1,0 +1,87 @@
+"""Which algorithm runs a call: per-call override, AHCOMM_ALGO, then the default rule.
+
+AHCOMM_ALGO follows HCCL_ALGO's grammar: ``"level0:NA;level1:ring"`` for every op, or per
+op ``"allreduce=level0:NA;level1:ring/allgather=level1:mesh"``. ``NA`` leaves a level to
+the default rule. Level 0 applies inside one server, level 1 when ranks span servers.
+"""
+
+from __future__ import annotations
+
+from .._errors import ConfigError, InvalidArgument
+from .base import Algorithm, Call, Registry, Topology
+
+_OP_ALIASES = {op.replace("_", ""): op for op in (
+    "all_reduce", "all_gather", "reduce_scatter", "broadcast", "barrier", "reduce", "gather", "scatter",
+    "all_to_all", "send", "recv",
+)}
+
+
+def parse_algo(spec: str) -> dict[str, dict[int, str]]:
+    """AHCOMM_ALGO -> {op or "*": {level: algorithm name}} (names lower-case, NA dropped)."""
+    table: dict[str, dict[int, str]] = {}
+    spec = spec.strip()
+    if not spec:
+        return table
+    for group in spec.split("/"):
+        op = "*"
+        if "=" in group:
+            op_name, group = group.split("=", 1)
+            key = op_name.strip().lower().replace("_", "")
+            if key not in _OP_ALIASES:
+                raise ConfigError(f"AHCOMM_ALGO: unknown op {op_name!r} in {spec!r}")
+            op = _OP_ALIASES[key]
+        levels = table.setdefault(op, {})
+        for item in group.split(";"):
+            if not item.strip():
+                continue
+            level, _, name = item.partition(":")
+            level = level.strip().lower()
+            if not level.startswith("level") or not level[5:].isdigit() or not name.strip():
+                raise ConfigError(f"AHCOMM_ALGO: expected 'levelN:NAME', got {item!r} in {spec!r}")
+            if name.strip().upper() != "NA":
+                levels[int(level[5:])] = name.strip().lower()
+    return table
+
+
+class Selector:
+    """Chooses an algorithm for each call; deterministic, so every rank picks the same one."""
+
+    def __init__(self, registry: Registry, algo_env: str = "") -> None:
+        self.registry = registry
+        self.env = parse_algo(algo_env)
+
+    def candidates(self, call: Call, topo: Topology) -> list[str]:
+        return [n for n, a in self.registry.algorithms.items() if a.select(call, topo)]
+
+    def choose(self, call: Call, topo: Topology, override: str | None = None) -> Algorithm:
+        name = override.lower() if override else self._from_env(call, topo)
+        if name is not None:
+            algorithm = self.registry.algorithms.get(name)
+            if algorithm is None or not algorithm.select(call, topo):
+                where = "per-call algorithm=" if override else "AHCOMM_ALGO"
+                can = ", ".join(self.candidates(call, topo)) or "none"
+                raise InvalidArgument(
+                    f"{where}{name!r} cannot run {call.op} on this topology "
+                    f"({topo.size} ranks, {topo.servers} server(s)); algorithms that can: {can}"
+                )
+            return algorithm
+        return self._default(call, topo)
+
+    def _from_env(self, call: Call, topo: Topology) -> str | None:
+        level = 0 if topo.servers == 1 else 1
+        for key in (call.op, "*"):
+            name = self.env.get(key, {}).get(level)
+            if name is not None:
+                return name
+        return None
+
+    def _default(self, call: Call, topo: Topology) -> Algorithm:
+        preferred = ("mesh", "ring") if topo.all_mapped else ("ring",)
+        for name in preferred:
+            algorithm = self.registry.algorithms.get(name)
+            if algorithm is not None and algorithm.select(call, topo):
+                return algorithm
+        for algorithm in self.registry.algorithms.values():
+            if algorithm.select(call, topo):
+                return algorithm
+        raise InvalidArgument(f"no algorithm can run {call.op} here")

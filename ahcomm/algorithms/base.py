@@ -1,0 +1,197 @@
+"""The algorithm-development framework: a call, the topology, resources and a context.
+
+An algorithm is written in HCCL's three steps:
+
+1. ``select(call, topo)`` - can it run this call here? (and, later, at what cost);
+2. ``resources(call, topo)`` - how many sub-streams it needs and how many elements of the
+   call fit one run (the executor slices larger calls, as HCCL loops over CCL buffers);
+3. ``orchestrate(ctx)`` - submit tasks (copy, reduce, put, post, wait) to the main stream
+   and sub-streams in ``ctx``, then ``await ctx.synchronize()``.
+
+Protocol rules every algorithm keeps (the executor relies on them):
+
+* every link notify posted during a run is waited for during the same run, so all flags
+  are back at 0 when ``orchestrate`` returns;
+* a run writes only into this collective's half of the CCL buffers (``ctx.ccl_in``,
+  ``ctx.ccl_out``, peer offsets from ``ctx.put``/``ctx.remote``); the executor makes sure
+  no rank still uses that half from two collectives ago.
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import ClassVar, Hashable, Sequence
+
+import numpy as np
+
+from .._dtypes import ReduceOp
+from .._notify import Notify
+from .._stream import Stream
+from ..transports.base import Link, Signal
+
+ALIGN = 64  # byte alignment of every region an algorithm carves from a CCL buffer
+
+
+@dataclass(frozen=True)
+class Call:
+    """One collective as every rank issued it.
+
+    ``count`` is the per-rank block in elements: the whole vector for all_reduce and
+    broadcast, the input of one rank for all_gather, the output of one rank for
+    reduce_scatter.
+    """
+
+    op: str
+    seq: int
+    dtype: np.dtype
+    count: int
+    redop: ReduceOp | None = None
+    root: int = 0
+
+    @property
+    def itemsize(self) -> int:
+        return self.dtype.itemsize
+
+
+@dataclass(frozen=True)
+class Topology:
+    """Where the ranks are and what joins them, as seen from ``rank``."""
+
+    rank: int
+    size: int
+    hosts: tuple[str, ...]  # host identity of every rank
+    link_kinds: tuple[str, ...]  # kind of the link to every rank ("self" for this rank)
+
+    @property
+    def all_mapped(self) -> bool:
+        return all(k in ("self", "sdma", "inproc") for k in self.link_kinds)
+
+    @property
+    def servers(self) -> int:
+        return len(set(self.hosts))
+
+
+@dataclass(frozen=True)
+class Resources:
+    """What one run of an algorithm needs."""
+
+    substreams: int = 0
+    max_count: int | None = None  # elements of ``Call.count`` one run can take; None: any
+
+
+class Context:
+    """Everything ``orchestrate`` touches for one run (one slice of one collective)."""
+
+    def __init__(self, *, call: Call, rank: int, size: int, links: dict[int, Link], src: np.ndarray,
+                 dst: np.ndarray, ccl_in: np.ndarray, ccl_out: np.ndarray, half_offset: int, main: Stream,
+                 subs: Sequence[Stream], ufunc: np.ufunc | None, final: bool = True) -> None:
+        self.call = call
+        self.rank = rank
+        self.size = size
+        self.links = links
+        self.src = src  # input of this run: 1-D, or 2-D (size, n) where the op is blocked
+        self.dst = dst  # output of this run, same convention
+        self.ccl_in = ccl_in  # this collective's half of our CCL_In (uint8)
+        self.ccl_out = ccl_out  # ... and of our CCL_Out
+        self.half_offset = half_offset  # byte offset of those halves in the whole buffers
+        self.main = main
+        self.subs = list(subs)
+        self.ufunc = ufunc
+        self.final = final  # the last slice of this collective
+        self._locals: dict[Hashable, Notify] = {}
+
+    # -- notifies ---------------------------------------------------------------------------
+    def local(self, key: Hashable) -> Notify:
+        """A rank-local notify between this run's streams (created on first use)."""
+        flag = self._locals.get(key)
+        if flag is None:
+            flag = self._locals[key] = Notify(f"local {key}")
+        return flag
+
+    def post(self, stream: Stream, peer: int, signal: Signal, index: int = 0) -> None:
+        """Enqueue: set ``peer``'s flag (signal, index) for this collective."""
+        link, seq = self.links[peer], self.call.seq
+        stream.submit(lambda: link.post(signal, index, seq))
+
+    def wait(self, stream: Stream, peer: int, signal: Signal, index: int = 0) -> None:
+        """Enqueue: wait for the flag ``peer`` posts on us."""
+        stream.submit(self.links[peer].notify(signal, index, self.call.seq).wait)
+
+    def put(self, stream: Stream, peer: int, src: np.ndarray, buf: str, offset: int) -> None:
+        """Enqueue: write ``src`` into ``peer``'s buffer at ``offset`` within this collective's half."""
+        link, seq, at = self.links[peer], self.call.seq, self.half_offset + offset
+        stream.submit(lambda: link.put(src, buf, at, seq, stream.memory))
+
+    def remote(self, peer: int, buf: str) -> np.ndarray:
+        """This collective's half of ``peer``'s buffer, mapped (uint8)."""
+        whole = self.links[peer].remote(buf)
+        return whole[self.half_offset:self.half_offset + self.ccl_in.nbytes]
+
+    def typed(self, region: np.ndarray, offset: int, count: int) -> np.ndarray:
+        """``count`` elements of the call's dtype at byte ``offset`` of a uint8 region."""
+        nbytes = count * self.call.itemsize
+        return region[offset:offset + nbytes].view(self.call.dtype)
+
+    async def synchronize(self) -> None:
+        """Wait for the main stream and every sub-stream to drain."""
+        for stream in (self.main, *self.subs):
+            await stream.synchronize()
+
+
+class Algorithm(ABC):
+    """Base class of every registered algorithm."""
+
+    name: ClassVar[str]
+    ops: ClassVar[frozenset[str]]
+
+    def select(self, call: Call, topo: Topology) -> bool:
+        """Whether this algorithm can run ``call`` on ``topo``."""
+        return call.op in self.ops
+
+    def resources(self, call: Call, topo: Topology, half_bytes: int) -> Resources:
+        """Streams and slice size for ``call``; ``half_bytes`` is the usable CCL half."""
+        return Resources()
+
+    @abstractmethod
+    async def orchestrate(self, ctx: Context) -> None:
+        """Submit this run's tasks and wait for them."""
+
+
+def split(count: int, parts: int) -> list[tuple[int, int]]:
+    """``parts`` contiguous [start, stop) ranges covering ``count``, sizes differing by <= 1."""
+    base, extra = divmod(count, parts)
+    out, start = [], 0
+    for i in range(parts):
+        stop = start + base + (1 if i < extra else 0)
+        out.append((start, stop))
+        start = stop
+    return out
+
+
+def pieces(start: int, stop: int, step: int) -> list[tuple[int, int]]:
+    """[start, stop) cut into ranges of at most ``step`` (one empty range if start == stop)."""
+    if stop <= start:
+        return [(start, start)]
+    return [(a, min(a + step, stop)) for a in range(start, stop, step)]
+
+
+def aligned(nbytes: int, itemsize: int) -> int:
+    """Round ``nbytes`` down to a multiple of ALIGN and of ``itemsize``."""
+    unit = ALIGN * itemsize // math.gcd(ALIGN, itemsize)
+    return nbytes // unit * unit
+
+
+@dataclass
+class Registry:
+    """Algorithms by name, in preference order."""
+
+    algorithms: dict[str, Algorithm] = field(default_factory=dict)
+
+    def register(self, algorithm: Algorithm) -> Algorithm:
+        self.algorithms[algorithm.name] = algorithm
+        return algorithm
+
+    def names(self, op: str | None = None) -> list[str]:
+        return [n for n, a in self.algorithms.items() if op is None or op in a.ops]

@@ -1,0 +1,154 @@
+"""Ring: all_reduce (reduce-scatter + all-gather), all_gather, reduce_scatter, broadcast.
+
+Works on any link kind and any world size. Every step sends to the next rank and
+receives from the previous one through two slots of the receiver's CCL_In:
+
+* the main stream sends: [wait local "piece ready"] -> [wait Ack(slot) from next] ->
+  put -> post DataSignal(slot) to next;
+* sub-stream 0 receives: wait DataSignal(slot) from prev -> reduce or copy out of the
+  slot -> post Ack(slot) to prev -> post local "piece ready".
+
+Chunks are cut into pieces of at most ``PIECE_BYTES`` so that, across the ring, puts,
+receives and reductions of successive pieces overlap (a pipelined ring).
+"""
+
+from __future__ import annotations
+
+from typing import Hashable
+
+import numpy as np
+
+from ..transports.base import Signal
+from .base import Algorithm, Call, Context, Resources, Topology, aligned, pieces, split
+
+PIECE_BYTES = 2 << 20
+
+Send = tuple[np.ndarray, Hashable | None]  # (source, local key to wait for first)
+Recv = tuple[np.ndarray, np.ndarray | None, Hashable]  # (destination, reduce operand or None, key)
+
+
+def _piece_elems(ctx: Context) -> tuple[int, int]:
+    """(slot bytes, elements per piece) for this run."""
+    slot = aligned(ctx.ccl_in.nbytes // 2, ctx.call.itemsize)
+    return slot, max(1, min(slot, PIECE_BYTES) // ctx.call.itemsize)
+
+
+async def ring_pass(ctx: Context, sends: list[Send], recvs: list[Recv]) -> None:
+    """Run the sends to the next rank and the receives from the previous one."""
+    n, r = ctx.size, ctx.rank
+    nxt, prv = (r + 1) % n, (r - 1) % n
+    slot_bytes, _ = _piece_elems(ctx)
+    tx, rx = ctx.main, ctx.subs[0]
+    for k, (src, dep) in enumerate(sends):
+        if dep is not None:
+            tx.wait(ctx.local(dep))
+        if k >= 2:
+            ctx.wait(tx, nxt, Signal.ACK, k % 2)
+        ctx.put(tx, nxt, src, "in", (k % 2) * slot_bytes)
+        ctx.post(tx, nxt, Signal.DATA, k % 2)
+    for k in range(max(0, len(sends) - 2), len(sends)):
+        ctx.wait(tx, nxt, Signal.ACK, k % 2)  # drain the credits: flags rest at 0
+    ufunc = ctx.ufunc
+    for k, (dst, operand, key) in enumerate(recvs):
+        ctx.wait(rx, prv, Signal.DATA, k % 2)
+        landed = ctx.typed(ctx.ccl_in, (k % 2) * slot_bytes, dst.size)
+        if operand is None:
+            rx.copy(dst, landed)
+        else:
+            assert ufunc is not None
+            rx.reduce(ufunc, dst, operand, landed)
+        ctx.post(rx, prv, Signal.ACK, k % 2)
+        rx.post(ctx.local(key))
+    await ctx.synchronize()
+
+
+class Ring(Algorithm):
+    name = "ring"
+    ops = frozenset({"all_reduce", "all_gather", "reduce_scatter", "broadcast"})
+
+    def resources(self, call: Call, topo: Topology, half_bytes: int) -> Resources:
+        if call.op == "reduce_scatter":
+            # Partial sums of the blocks in flight live in our CCL_Out half.
+            blocks = max(1, topo.size - 2)
+            per_block = aligned(half_bytes // blocks, call.itemsize) // call.itemsize
+            return Resources(substreams=1, max_count=max(1, per_block))
+        return Resources(substreams=1)
+
+    async def orchestrate(self, ctx: Context) -> None:
+        op = ctx.call.op
+        if op == "all_reduce":
+            await self._all_reduce(ctx)
+        elif op == "all_gather":
+            await self._all_gather(ctx)
+        elif op == "reduce_scatter":
+            await self._reduce_scatter(ctx)
+        else:
+            await self._broadcast(ctx)
+
+    async def _all_reduce(self, ctx: Context) -> None:
+        n, r, dst = ctx.size, ctx.rank, ctx.dst
+        _, step = _piece_elems(ctx)
+        if dst is not ctx.src:
+            ctx.main.copy(dst, ctx.src)
+            ctx.main.post(ctx.local("init"))
+            ctx.subs[0].wait(ctx.local("init"))
+        chunks = split(dst.size, n)
+        sends: list[Send] = []
+        recvs: list[Recv] = []
+        for i in range(2 * (n - 1)):
+            reducing = i < n - 1
+            send_c = (r - i) % n if reducing else (r + 1 - (i - n + 1)) % n
+            recv_c = (send_c - 1) % n
+            for a, b in pieces(*chunks[send_c], step):
+                sends.append((dst[a:b], ("rx", i - 1, a) if i else None))
+            for a, b in pieces(*chunks[recv_c], step):
+                recvs.append((dst[a:b], dst[a:b] if reducing else None, ("rx", i, a)))
+        await ring_pass(ctx, sends, recvs)
+
+    async def _all_gather(self, ctx: Context) -> None:
+        n, r, src, dst = ctx.size, ctx.rank, ctx.src, ctx.dst
+        _, step = _piece_elems(ctx)
+        ctx.subs[0].copy(dst[r], src)
+        sends: list[Send] = []
+        recvs: list[Recv] = []
+        for t in range(n - 1):
+            send_b, recv_b = (r - t) % n, (r - t - 1) % n
+            for a, b in pieces(0, src.size, step):
+                sends.append((src[a:b] if t == 0 else dst[send_b, a:b], ("rx", t - 1, a) if t else None))
+                recvs.append((dst[recv_b, a:b], None, ("rx", t, a)))
+        await ring_pass(ctx, sends, recvs)
+
+    async def _reduce_scatter(self, ctx: Context) -> None:
+        n, r, src, dst = ctx.size, ctx.rank, ctx.src, ctx.dst
+        _, step = _piece_elems(ctx)
+        stride = aligned(ctx.ccl_out.nbytes // max(1, n - 2), ctx.call.itemsize)
+        sends: list[Send] = []
+        recvs: list[Recv] = []
+        partial: list[np.ndarray] = []
+        for s in range(n - 1):
+            send_b, recv_b = (r - s - 1) % n, (r - s - 2) % n
+            out = dst if s == n - 2 else ctx.typed(ctx.ccl_out, s * stride, dst.size)
+            for a, b in pieces(0, dst.size, step):
+                sends.append((src[send_b, a:b] if s == 0 else partial[s - 1][a:b], ("rx", s - 1, a) if s else None))
+                recvs.append((out[a:b], src[recv_b, a:b], ("rx", s, a)))
+            partial.append(out)
+        if n == 1:
+            ctx.main.copy(dst, src[0])
+        await ring_pass(ctx, sends, recvs)
+
+    async def _broadcast(self, ctx: Context) -> None:
+        n, r, root = ctx.size, ctx.rank, ctx.call.root
+        pos = (r - root) % n
+        _, step = _piece_elems(ctx)
+        sends: list[Send] = []
+        recvs: list[Recv] = []
+        for a, b in pieces(0, ctx.dst.size, step):
+            if pos == 0:
+                sends.append((ctx.src[a:b], None))
+            else:
+                recvs.append((ctx.dst[a:b], None, ("rx", a)))
+                if pos < n - 1:
+                    sends.append((ctx.dst[a:b], ("rx", a)))
+        if pos == 0 and ctx.dst is not ctx.src:
+            ctx.subs[0].copy(ctx.dst, ctx.src)
+        await ring_pass(ctx, sends, recvs)

@@ -1,0 +1,163 @@
+"""ZeroMQ plumbing shared by the sdma and rdma transports.
+
+Each rank binds one ROUTER (on ipc for peers on its host, on tcp for the others) and
+opens one DEALER per peer whose identity is the sender's rank. Incoming messages are
+drained by a reader callback on the ROUTER's file descriptor: no future per message, no
+polling thread, no busy loop. Every message starts with a fixed 24-byte header.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import secrets
+import struct
+from abc import abstractmethod
+from typing import Any
+
+import zmq
+
+from .._buffers import CclBuffers
+from .._errors import TransportError
+from .base import BUFFER_NAMES, Link, ProgressHook
+
+# kind, signal-or-buffer, index, nbytes, seq, offset
+HEADER = struct.Struct("<BBHIqQ")
+MSG_SIGNAL, MSG_PUT, MSG_DATA_ACK, MSG_PROGRESS = 1, 2, 3, 4
+RANK_ID = struct.Struct("<I")
+COPY_THRESHOLD = 64 * 1024  # frames at least this big are sent zero-copy
+
+
+def _context() -> zmq.Context:
+    return zmq.Context.instance()
+
+
+class Channel:
+    """This rank's receiving socket and the reader that dispatches to links."""
+
+    def __init__(self, rank: int, buffers: CclBuffers, *, ipc: bool = True, tcp_host: str | None = None) -> None:
+        self.rank = rank
+        self.buffers = buffers
+        self.links: dict[int, ZmqLink] = {}
+        self.rejected = 0
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.router = _context().socket(zmq.ROUTER)
+        self.router.setsockopt(zmq.LINGER, 0)
+        self.router.setsockopt(zmq.RCVHWM, 0)
+        self.endpoints: dict[str, str] = {}
+        try:
+            if ipc:
+                address = f"ipc://@ahcomm-{os.getpid()}-{rank}-{secrets.token_hex(6)}"
+                self.router.bind(address)
+                self.endpoints["ipc"] = address
+            if tcp_host is not None:
+                self.router.bind(f"tcp://{tcp_host}:0")
+                self.endpoints["tcp"] = self.router.getsockopt_string(zmq.LAST_ENDPOINT)
+        except zmq.ZMQError as exc:
+            self.router.close(0)
+            raise TransportError(f"rank {rank}: cannot bind its link endpoint: {exc}") from exc
+
+    def dealer(self, endpoint: str) -> zmq.Socket:
+        sock = _context().socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDHWM, 0)
+        sock.setsockopt(zmq.IDENTITY, RANK_ID.pack(self.rank))
+        sock.connect(endpoint)
+        return sock
+
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._loop.add_reader(self.router.getsockopt(zmq.FD), self._on_readable)
+        self._on_readable()  # messages that arrived before the reader was installed
+
+    def _on_readable(self) -> None:
+        router = self.router
+        while router.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            frames_left = True
+            try:
+                ident = router.recv(zmq.NOBLOCK)
+                header = router.recv(zmq.NOBLOCK) if router.getsockopt(zmq.RCVMORE) else b""
+                link = self.links.get(RANK_ID.unpack(ident)[0]) if len(ident) == RANK_ID.size else None
+                if link is None or len(header) != HEADER.size:
+                    self.rejected += 1
+                else:
+                    frames_left = link.on_message(*HEADER.unpack(header), router)
+            except zmq.Again:  # pragma: no cover - EVENTS said readable
+                return
+            except Exception:  # noqa: BLE001 - a bad message must not kill the reader
+                self.rejected += 1
+            if frames_left:
+                while router.getsockopt(zmq.RCVMORE):
+                    router.recv(zmq.NOBLOCK)
+
+    def close(self) -> None:
+        if self._loop is not None and not self.router.closed:
+            try:
+                self._loop.remove_reader(self.router.getsockopt(zmq.FD))
+            except (ValueError, RuntimeError, zmq.ZMQError):
+                pass
+        for link in self.links.values():
+            link.close()
+        self.links.clear()
+        if not self.router.closed:
+            self.router.close(0)
+
+
+class ZmqLink(Link):
+    """A link whose notifies travel as ZeroMQ messages on the peer's channel."""
+
+    def __init__(self, rank: int, peer: int, channel: Channel, endpoint: str,
+                 on_progress: ProgressHook | None) -> None:
+        super().__init__(rank, peer, on_progress)
+        self.channel = channel
+        self.endpoint = endpoint
+        self.sock = channel.dealer(endpoint)
+        channel.links[peer] = self
+
+    def _send(self, kind: int, a: int, index: int, seq: int, nbytes: int = 0, offset: int = 0,
+              data: Any = None) -> None:
+        header = HEADER.pack(kind, a, index, nbytes, seq, offset)
+        try:
+            if data is None:
+                self.sock.send(header, zmq.NOBLOCK)
+            else:
+                self.sock.send(header, zmq.NOBLOCK | zmq.SNDMORE)
+                self.sock.send(data, zmq.NOBLOCK, copy=nbytes < COPY_THRESHOLD)
+        except zmq.ZMQError as exc:
+            raise TransportError(f"link {self.rank}->{self.peer}: send failed: {exc}") from exc
+
+    def post(self, signal: int, index: int, seq: int) -> None:
+        if self._error is not None:
+            raise self._error
+        self.signals_sent += 1
+        self._send(MSG_SIGNAL, signal, index, seq)
+
+    def send_progress(self, seq: int) -> None:
+        if self._error is None:
+            self._send(MSG_PROGRESS, 0, 0, seq)
+
+    def on_message(self, kind: int, a: int, index: int, nbytes: int, seq: int, offset: int,
+                   sock: zmq.Socket) -> bool:
+        """Handle one message; return True if frames of it are left unread."""
+        if kind == MSG_SIGNAL:
+            self.deliver(a, index, seq)
+        elif kind == MSG_PROGRESS:
+            self.progress(seq)
+        else:
+            return self.on_data_message(kind, a, index, nbytes, seq, offset, sock)
+        return True
+
+    @abstractmethod
+    def on_data_message(self, kind: int, a: int, index: int, nbytes: int, seq: int, offset: int,
+                        sock: zmq.Socket) -> bool:
+        """Messages specific to the transport (puts, data acks)."""
+
+    def close(self) -> None:
+        if not self.sock.closed:
+            self.sock.close(0)
+
+
+def buffer_name(buf_id: int) -> str:
+    if buf_id >= len(BUFFER_NAMES):
+        raise TransportError(f"unknown buffer id {buf_id}")
+    return BUFFER_NAMES[buf_id]

@@ -1,0 +1,156 @@
+"""The transport contract: what an algorithm may do with a link to a peer.
+
+A ``Link`` joins this rank to one peer. It carries HCCL's link notifies (Ack, DataSignal
+and, on RDMA-like links, DataAck) and gives access to the peer's CCL buffers:
+
+* ``post(signal, index, seq)`` sets the peer's flag for this link; ``wait(...)`` waits for
+  the flag the peer set on us (then resets it). Flags are keyed by (signal, index, seq
+  parity) so that a fast peer's next collective cannot collide with this one.
+* ``put(src, buf, offset, seq, run)`` writes bytes into the peer's CCL_In/CCL_Out. When
+  the peer is later told DATA for the same ``seq``, the bytes have landed.
+* ``remote(buf)`` is the peer's buffer mapped here (``mapped`` links only): algorithms
+  such as mesh read and reduce straight out of it.
+
+Concrete transports (``inproc``, ``sdma``, ``rdma``) implement this; algorithms only ever
+see ``Link``.
+"""
+
+from __future__ import annotations
+
+import enum
+from abc import ABC, abstractmethod
+from typing import Any, Awaitable, Callable, ClassVar, Protocol
+
+import numpy as np
+
+from .._notify import Notify
+
+
+class Signal(enum.IntEnum):
+    """The link notifies of HCCL: Ack (ready/credit), DataSignal (data landed), DataAck."""
+
+    ACK = 0
+    DATA = 1
+    DATA_ACK = 2
+
+
+class MemoryRunner(Protocol):
+    """Runs a numpy memory op, inline or on a copy engine (``Stream.memory``)."""
+
+    def __call__(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> "Awaitable[Any] | None": ...
+
+
+ProgressHook = Callable[[int, int], None]  # (peer, seq of the peer's latest message)
+
+BUFFER_IDS = {"in": 0, "out": 1}
+BUFFER_NAMES = ("in", "out")
+
+
+class Link(ABC):
+    """One direction-agnostic connection between this rank and ``peer``."""
+
+    kind: ClassVar[str] = "abstract"
+    mapped: ClassVar[bool] = False
+
+    def __init__(self, rank: int, peer: int, on_progress: ProgressHook | None = None) -> None:
+        self.rank = rank
+        self.peer = peer
+        self._notifies: dict[tuple[int, int, int], Notify] = {}
+        self._on_progress = on_progress
+        self._error: BaseException | None = None
+        self.bytes_sent = 0
+        self.bytes_received = 0
+        self.signals_sent = 0
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.rank}->{self.peer}>"
+
+    # -- notifies -------------------------------------------------------------------------
+    def notify(self, signal: int, index: int, seq: int) -> Notify:
+        key = (int(signal), index, seq & 1)
+        flag = self._notifies.get(key)
+        if flag is None:
+            flag = Notify(f"{Signal(signal).name}[{index}] {self.peer}->{self.rank}")
+            if self._error is not None:
+                flag.fail(self._error)
+            self._notifies[key] = flag
+        return flag
+
+    def deliver(self, signal: int, index: int, seq: int) -> None:
+        """Called by the transport when the peer posted ``signal`` on us."""
+        self.notify(signal, index, seq).post()
+        self.progress(seq)
+
+    def progress(self, seq: int) -> None:
+        if self._on_progress is not None:
+            self._on_progress(self.peer, seq)
+
+    async def wait(self, signal: int, index: int, seq: int) -> None:
+        await self.notify(signal, index, seq).wait()
+
+    @abstractmethod
+    def post(self, signal: int, index: int, seq: int) -> None:
+        """Set the peer's flag for this link."""
+
+    @abstractmethod
+    def send_progress(self, seq: int) -> None:
+        """Tell the peer that this rank has reached collective ``seq`` (no flag is set)."""
+
+    # -- data -----------------------------------------------------------------------------
+    def remote(self, buf: str) -> np.ndarray:
+        """The peer's CCL buffer ``buf`` ("in" or "out") as uint8, if this link maps it."""
+        raise NotImplementedError(f"{self.kind} links do not map the peer's buffers")
+
+    @abstractmethod
+    def put(self, src: np.ndarray, buf: str, offset: int, seq: int, run: MemoryRunner) -> "Awaitable[Any] | None":
+        """Write ``src`` (contiguous) into the peer's buffer ``buf`` at byte ``offset``."""
+
+    async def flush(self) -> None:
+        """Wait until every put so far has landed at the peer (no-op where puts are copies)."""
+
+    # -- lifecycle ------------------------------------------------------------------------
+    def close(self) -> None:
+        """Release what the link owns (sockets, mappings)."""
+
+    def fail(self, error: BaseException) -> None:
+        """Fail every waiter on this link (peer died, abort, close)."""
+        self._error = error
+        for flag in self._notifies.values():
+            flag.fail(error)
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "peer": self.peer,
+            "kind": self.kind,
+            "bytes_sent": self.bytes_sent,
+            "bytes_received": self.bytes_received,
+            "signals_sent": self.signals_sent,
+        }
+
+
+class MappedAccess:
+    """Mixin for links whose peer buffers are mapped here: a put is a local memory copy.
+
+    The concrete class sets ``_remote`` to the peer's (CCL_In, CCL_Out) uint8 arrays.
+    """
+
+    mapped = True
+    _remote: tuple[np.ndarray, np.ndarray]
+    bytes_sent: int
+
+    def remote(self, buf: str) -> np.ndarray:
+        return self._remote[BUFFER_IDS[buf]]
+
+    def put(self, src: np.ndarray, buf: str, offset: int, seq: int, run: MemoryRunner) -> "Awaitable[Any] | None":
+        data = as_bytes(src)
+        self.bytes_sent += data.nbytes
+        dst = self._remote[BUFFER_IDS[buf]][offset:offset + data.nbytes]
+        return run(np.copyto, dst, data)
+
+
+def as_bytes(array: np.ndarray) -> np.ndarray:
+    """A flat uint8 view of a C-contiguous array (no copy)."""
+    if not array.flags.c_contiguous:
+        raise ValueError("put needs a contiguous source")
+    return array.reshape(-1).view(np.uint8)
+

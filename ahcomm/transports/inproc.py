@@ -1,0 +1,54 @@
+"""In-process transport: every rank in one event loop, links are direct calls.
+
+Used by tests to run wide matrices (world sizes 1..16) without processes. Buffers are
+plain numpy arrays, so links are mapped, exactly like SDMA links on one host.
+"""
+
+from __future__ import annotations
+
+from .._buffers import CclBuffers
+from .base import Link, MappedAccess, ProgressHook
+
+
+class InprocLink(MappedAccess, Link):
+    kind = "inproc"
+
+    def __init__(self, rank: int, peer: int, peer_buffers: CclBuffers, on_progress: ProgressHook | None) -> None:
+        super().__init__(rank, peer, on_progress)
+        self._remote = (peer_buffers.ccl_in.array, peer_buffers.ccl_out.array)
+        self.twin: InprocLink | None = None  # the peer's link back to us
+
+    def post(self, signal: int, index: int, seq: int) -> None:
+        assert self.twin is not None
+        self.signals_sent += 1
+        self.twin.deliver(signal, index, seq)
+
+    def send_progress(self, seq: int) -> None:
+        assert self.twin is not None
+        self.twin.progress(seq)
+
+
+class InprocWorld:
+    """The shared state of an in-process job: each rank's buffers and links."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.buffers: dict[int, CclBuffers] = {}
+        self.links: dict[tuple[int, int], InprocLink] = {}
+
+    def register(self, rank: int, buffers: CclBuffers) -> None:
+        self.buffers[rank] = buffers
+
+    def connect(self, rank: int, on_progress: ProgressHook | None) -> dict[int, InprocLink]:
+        """Create this rank's links; needs every rank registered first."""
+        links: dict[int, InprocLink] = {}
+        for peer in range(self.size):
+            if peer == rank:
+                continue
+            link = InprocLink(rank, peer, self.buffers[peer], on_progress)
+            self.links[(rank, peer)] = link
+            twin = self.links.get((peer, rank))
+            if twin is not None:
+                link.twin, twin.twin = twin, link
+            links[peer] = link
+        return links

@@ -1,0 +1,78 @@
+"""RDMA-like links: ZeroMQ tcp carries the notifies and the bytes.
+
+A put is sent as zero-copy frames (at most ``PUT_CHUNK`` bytes each, so libzmq never
+allocates huge messages) and received with ``recv_into`` straight into the peer's CCL
+buffer region. The receiver answers every landed put with DataAck; ``flush()`` waits for
+all of them, so a collective never returns while its source bytes are still in flight.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, Awaitable
+
+import numpy as np
+import zmq
+
+from .._errors import TransportError
+from ._zmq import MSG_DATA_ACK, MSG_PUT, Channel, ZmqLink, buffer_name
+from .base import MemoryRunner, ProgressHook, as_bytes
+
+PUT_CHUNK = 4 << 20
+
+
+class RdmaLink(ZmqLink):
+    kind = "rdma"
+    mapped = False
+
+    def __init__(self, rank: int, peer: int, channel: Channel, endpoint: str,
+                 on_progress: ProgressHook | None) -> None:
+        super().__init__(rank, peer, channel, endpoint, on_progress)
+        self._unacked = 0
+        self._flushed: asyncio.Future[None] | None = None
+
+    def put(self, src: np.ndarray, buf: str, offset: int, seq: int, run: MemoryRunner) -> "Awaitable[Any] | None":
+        if self._error is not None:
+            raise self._error
+        data = as_bytes(src)
+        buf_id = 0 if buf == "in" else 1
+        for start in range(0, max(data.nbytes, 1), PUT_CHUNK):
+            piece = data[start:start + PUT_CHUNK]
+            self._send(MSG_PUT, buf_id, 0, seq, piece.nbytes, offset + start, piece)
+            self._unacked += 1
+        self.bytes_sent += data.nbytes
+        return None
+
+    async def flush(self) -> None:
+        """Wait until every put sent so far has landed in the peer's buffer (DataAck)."""
+        while self._unacked:
+            if self._error is not None:
+                raise self._error
+            if self._flushed is None or self._flushed.done():
+                self._flushed = asyncio.get_running_loop().create_future()
+            await self._flushed
+
+    def on_data_message(self, kind: int, a: int, index: int, nbytes: int, seq: int, offset: int,
+                        sock: zmq.Socket) -> bool:
+        if kind == MSG_PUT:
+            region = self.channel.buffers.get(buffer_name(a)).array
+            if offset + nbytes > region.nbytes or not sock.getsockopt(zmq.RCVMORE):
+                raise TransportError(f"rdma link {self.peer}->{self.rank}: put outside the CCL buffer")
+            got = sock.recv_into(region[offset:offset + nbytes], flags=zmq.NOBLOCK) if nbytes else len(sock.recv(zmq.NOBLOCK))
+            if got != nbytes:
+                raise TransportError(f"rdma link {self.peer}->{self.rank}: put of {got} bytes, header said {nbytes}")
+            self.bytes_received += nbytes
+            self._send(MSG_DATA_ACK, 0, 0, seq)
+            self.progress(seq)
+            return False
+        if kind == MSG_DATA_ACK:
+            self._unacked -= 1
+            if self._unacked <= 0 and self._flushed is not None and not self._flushed.done():
+                self._flushed.set_result(None)
+            return True
+        raise TransportError(f"rdma link {self.peer}->{self.rank}: unexpected message kind {kind}")
+
+    def fail(self, error: BaseException) -> None:
+        super().fail(error)
+        if self._flushed is not None and not self._flushed.done():
+            self._flushed.set_exception(error)

@@ -1,0 +1,35 @@
+"""SDMA-like links between ranks on one host.
+
+Notifies travel over ZeroMQ ipc; the bytes do not: each rank's CCL_In/CCL_Out live in
+POSIX shared memory that its peers map, so a put is a direct copy into the peer's
+buffer and a mesh algorithm can read or reduce straight out of it.
+"""
+
+from __future__ import annotations
+
+import zmq
+
+from .._buffers import SharedRegion
+from .._errors import TransportError
+from ._zmq import Channel, ZmqLink
+from .base import MappedAccess, ProgressHook
+
+
+class SdmaLink(MappedAccess, ZmqLink):
+    kind = "sdma"
+
+    def __init__(self, rank: int, peer: int, channel: Channel, endpoint: str, shm_in: str, shm_out: str,
+                 nbytes: int, on_progress: ProgressHook | None) -> None:
+        self._regions = (SharedRegion.attach(shm_in, nbytes), SharedRegion.attach(shm_out, nbytes))
+        self._remote = (self._regions[0].array, self._regions[1].array)
+        super().__init__(rank, peer, channel, endpoint, on_progress)
+
+    def on_data_message(self, kind: int, a: int, index: int, nbytes: int, seq: int, offset: int,
+                        sock: zmq.Socket) -> bool:
+        raise TransportError(f"sdma link {self.peer}->{self.rank}: unexpected message kind {kind}")
+
+    def close(self) -> None:
+        super().close()
+        self._remote = (self._regions[0].array[:0], self._regions[1].array[:0])
+        for region in self._regions:
+            region.close()
