@@ -84,7 +84,7 @@ class Config:
             local_world_size=_int(env, _LOCAL_SIZE_VARS, None),
             master_addr=addr[1] if addr else "127.0.0.1",
             master_port=_int(env, _PORT_VARS, None),
-            buffsize=max(4096, int(buff_mb * MiB)),
+            buffsize=max(1024, int(buff_mb * MiB)),
             transport=transport,
             algo=env.get("AHCOMM_ALGO", "").strip(),
             connect_timeout=_float(env, "AHCOMM_CONNECT_TIMEOUT", 120.0),

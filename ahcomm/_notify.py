@@ -38,6 +38,15 @@ class Notify:
             self.overruns += 1
         self._value = 1
 
+    def try_wait(self) -> bool:
+        """Consume the flag if it is set, without waiting; False if it is 0."""
+        if self._error is not None:
+            raise self._error
+        if self._value:
+            self._value = 0
+            return True
+        return False
+
     async def wait(self) -> None:
         """Wait for the flag, then reset it to 0."""
         if self._error is not None:

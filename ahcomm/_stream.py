@@ -6,6 +6,10 @@ concurrently with each other and synchronise through notifies. Memory tasks larg
 ``ENGINE_THRESHOLD`` bytes run on the stream's copy engine (one worker thread; numpy
 releases the GIL), so the event loop stays responsive during large collectives.
 
+An idle stream runs a task at once, inside ``submit``, when the task can finish without
+waiting (a small copy, a post, a wait on a flag already set); only what must wait goes
+through the runner task. Order is unchanged: nothing is queued when that happens.
+
 A failed task puts the stream into a failed state: later tasks are skipped until the next
 ``synchronize()``, which raises the error and leaves the stream usable again.
 """
@@ -37,12 +41,23 @@ class Stream:
         self._error: BaseException | None = None
         self._engine: ThreadPoolExecutor | None = None
         self._closed = False
+        self._busy = False  # the runner is awaiting a task
         self.tasks_run = 0
 
     # -- submission -------------------------------------------------------------------
     def submit(self, fn: TaskFn) -> None:
-        """Enqueue ``fn``: a callable returning None or an awaitable to be awaited in order."""
-        self._push(fn, None)
+        """Run or enqueue ``fn``: a callable returning None or an awaitable to await in order."""
+        if self._queue or self._busy or self._error is not None or self._closed:
+            self._push(fn, None)
+            return
+        try:
+            pending = fn()
+        except BaseException as exc:  # noqa: BLE001 - reported at synchronize()
+            self._error = exc
+            return
+        self.tasks_run += 1
+        if pending is not None:
+            self._push(lambda: pending, None)
 
     def _push(self, fn: TaskFn, marker: asyncio.Future[None] | None) -> None:
         if self._closed:
@@ -65,7 +80,7 @@ class Stream:
         self.submit(lambda: notify.post())
 
     def wait(self, notify: Notify) -> None:
-        self.submit(notify.wait)
+        self.submit(lambda: None if notify.try_wait() else notify.wait())
 
     def call(self, fn: Callable[[], Any]) -> None:
         """Run an arbitrary synchronous callable in stream order."""
@@ -103,6 +118,7 @@ class Stream:
                 continue
             if self._error is not None:
                 continue  # skip work after a failure, up to the next synchronize()
+            self._busy = True
             try:
                 result = fn()
                 if result is not None:
@@ -114,9 +130,16 @@ class Stream:
                 self._error = asyncio.CancelledError()
             except BaseException as exc:  # noqa: BLE001 - reported at synchronize()
                 self._error = exc
+            finally:
+                self._busy = False
 
     async def synchronize(self) -> None:
         """Wait until every task submitted so far has run; raise the first failure, if any."""
+        if not self._queue and not self._busy:
+            error, self._error = self._error, None
+            if error is not None:
+                raise error
+            return
         marker: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._push(lambda: None, marker)
         await marker

@@ -17,10 +17,9 @@ import numpy as np
 from .._buffers import CclBuffers
 from .._stream import Stream
 from ..transports.base import Link
-from .base import Algorithm, Call, Context, Topology
+from .base import ALIGN, Algorithm, Call, Context, Topology
 
 ALL_DEPENDENT = frozenset({"all_reduce", "all_gather", "reduce_scatter", "barrier"})
-PAGE = 4096
 
 
 class Progress:
@@ -85,7 +84,7 @@ class Executor:
         self.buffers = buffers
         self.topo = topo
         self.progress = progress
-        self.half = buffers.nbytes // 2 // PAGE * PAGE
+        self.half = buffers.nbytes // 2 // ALIGN * ALIGN
         self.main = Stream("main")
         self.subs: list[Stream] = []
 

@@ -177,6 +177,11 @@ def pieces(start: int, stop: int, step: int) -> list[tuple[int, int]]:
     return [(a, min(a + step, stop)) for a in range(start, stop, step)]
 
 
+def align_up(nbytes: int) -> int:
+    """Round ``nbytes`` up to a multiple of ALIGN."""
+    return -(-nbytes // ALIGN) * ALIGN
+
+
 def aligned(nbytes: int, itemsize: int) -> int:
     """Round ``nbytes`` down to a multiple of ALIGN and of ``itemsize``."""
     unit = ALIGN * itemsize // math.gcd(ALIGN, itemsize)

@@ -19,7 +19,7 @@ from typing import Hashable
 import numpy as np
 
 from ..transports.base import Signal
-from .base import Algorithm, Call, Context, Resources, Topology, aligned, pieces, split
+from .base import ALIGN, Algorithm, Call, Context, Resources, Topology, align_up, aligned, pieces, split
 
 PIECE_BYTES = 2 << 20
 
@@ -70,7 +70,7 @@ class Ring(Algorithm):
         if call.op == "reduce_scatter":
             # Partial sums of the blocks in flight live in our CCL_Out half.
             blocks = max(1, topo.size - 2)
-            per_block = aligned(half_bytes // blocks, call.itemsize) // call.itemsize
+            per_block = (half_bytes // blocks // ALIGN * ALIGN) // call.itemsize
             return Resources(substreams=1, max_count=max(1, per_block))
         return Resources(substreams=1)
 
@@ -121,7 +121,7 @@ class Ring(Algorithm):
     async def _reduce_scatter(self, ctx: Context) -> None:
         n, r, src, dst = ctx.size, ctx.rank, ctx.src, ctx.dst
         _, step = _piece_elems(ctx)
-        stride = aligned(ctx.ccl_out.nbytes // max(1, n - 2), ctx.call.itemsize)
+        stride = align_up(dst.size * ctx.call.itemsize)
         sends: list[Send] = []
         recvs: list[Recv] = []
         partial: list[np.ndarray] = []

@@ -1,0 +1,154 @@
+"""Notify (HCCL Post/Wait flag) and Stream (ordered tasks) semantics."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from ahcomm._notify import Notify
+from ahcomm._stream import ENGINE_THRESHOLD, Stream
+
+
+async def test_post_sets_one_and_wait_resets() -> None:
+    n = Notify()
+    n.post()
+    assert n.value == 1
+    await n.wait()
+    assert n.value == 0
+
+
+async def test_double_post_is_one_post() -> None:
+    n = Notify()
+    n.post()
+    n.post()
+    assert n.value == 1 and n.overruns == 1
+    await n.wait()
+    with pytest.raises(asyncio.TimeoutError):
+        await asyncio.wait_for(n.wait(), 0.05)  # the second post was absorbed
+
+
+async def test_wait_before_post_blocks_until_post() -> None:
+    n = Notify()
+    waiter = asyncio.ensure_future(n.wait())
+    await asyncio.sleep(0.01)
+    assert not waiter.done()
+    n.post()
+    await asyncio.wait_for(waiter, 1)
+    assert n.value == 0  # the post went straight to the waiter
+
+
+async def test_fail_wakes_waiter_and_later_waits() -> None:
+    n = Notify()
+    waiter = asyncio.ensure_future(n.wait())
+    await asyncio.sleep(0)
+    n.fail(RuntimeError("peer died"))
+    with pytest.raises(RuntimeError, match="peer died"):
+        await waiter
+    with pytest.raises(RuntimeError):
+        await n.wait()
+    n.reset()
+    n.post()
+    await n.wait()
+
+
+async def test_cancelled_waiter_does_not_eat_a_later_post() -> None:
+    n = Notify()
+    waiter = asyncio.ensure_future(n.wait())
+    await asyncio.sleep(0)
+    waiter.cancel()
+    await asyncio.gather(waiter, return_exceptions=True)
+    n.post()
+    assert n.value == 1
+
+
+async def test_stream_runs_tasks_in_submission_order() -> None:
+    s = Stream("t")
+    seen: list[int] = []
+
+    async def slow(i: int) -> None:
+        await asyncio.sleep(0.005)
+        seen.append(i)
+
+    for i in range(10):
+        if i % 2:
+            s.submit(lambda i=i: slow(i))
+        else:
+            s.call(lambda i=i: seen.append(i))
+    await s.synchronize()
+    assert seen == list(range(10))
+    await s.close()
+
+
+async def test_streams_run_concurrently_and_sync_through_notifies() -> None:
+    main, sub = Stream("main"), Stream("sub")
+    a, b = Notify("a"), Notify("b")
+    log: list[str] = []
+    # main: post a, wait b; sub: wait a, post b -- deadlocks unless the streams run concurrently
+    main.call(lambda: log.append("main:start"))
+    main.post(a)
+    main.wait(b)
+    main.call(lambda: log.append("main:end"))
+    sub.wait(a)
+    sub.call(lambda: log.append("sub:got-a"))
+    sub.post(b)
+    await asyncio.wait_for(asyncio.gather(main.synchronize(), sub.synchronize()), 1)
+    assert log == ["main:start", "sub:got-a", "main:end"]
+    await main.close()
+    await sub.close()
+
+
+async def test_failed_task_skips_rest_until_synchronize_then_recovers() -> None:
+    s = Stream("t")
+    seen: list[int] = []
+    gate = Notify()
+    s.wait(gate)  # keeps the stream busy so the next tasks queue up
+
+    def boom() -> None:
+        raise ValueError("bad task")
+
+    s.call(boom)
+    s.call(lambda: seen.append(1))
+    gate.post()
+    with pytest.raises(ValueError, match="bad task"):
+        await s.synchronize()
+    assert seen == []
+    s.call(lambda: seen.append(2))
+    await s.synchronize()
+    assert seen == [2]
+    await s.close()
+
+
+async def test_large_copies_leave_the_event_loop_responsive() -> None:
+    s = Stream("t")
+    n = 64 << 20
+    src, dst = np.ones(n, np.uint8), np.zeros(n, np.uint8)
+    assert n >= ENGINE_THRESHOLD
+    ticks: list[float] = []
+    stop = False
+
+    async def ticker() -> None:
+        while not stop:
+            ticks.append(time.perf_counter())
+            await asyncio.sleep(0.001)
+
+    t = asyncio.ensure_future(ticker())
+    threads: set[str] = set()
+
+    def copy_and_note(d: np.ndarray, s_: np.ndarray) -> None:
+        threads.add(threading.current_thread().name)
+        np.copyto(d, s_)
+
+    for _ in range(8):
+        s.submit(lambda: s.memory(copy_and_note, dst, src))
+    await s.synchronize()
+    stop = True
+    await t
+    assert dst.all()
+    assert all(name.startswith("ahcomm-engine") for name in threads)
+    gaps = np.diff(ticks)
+    assert len(ticks) > 3 and gaps.max() < 0.25, gaps.max()
+    await s.close()
