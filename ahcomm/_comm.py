@@ -19,7 +19,7 @@ import numpy as np
 
 from ._buffers import CclBuffers
 from ._dtypes import ReduceOp, check_dtype, check_reduce, finish_avg, ufunc_for
-from ._errors import CollectiveTimeout, CommClosedError, CommunicationError, InvalidArgument
+from ._errors import CollectiveTimeout, CommClosedError, CommunicationError, InvalidArgument, PeerFailure
 from .algorithms import REGISTRY
 from .algorithms._executor import Executor, Progress
 from .algorithms._selection import Selector
@@ -68,6 +68,8 @@ class Comm:
         self._wakeup: asyncio.Future[None] | None = None
         self._error: BaseException | None = None
         self._closed = False
+        for link in links.values():
+            link.on_abort = self._peer_aborted
 
     def __repr__(self) -> str:
         return f"<ahcomm.Comm rank={self.rank} size={self.size} seq={self._seq}>"
@@ -232,6 +234,15 @@ class Comm:
     def _fail(self, error: BaseException) -> None:
         self._error = error
         self._executor.abort(error)
+        while self._queue:
+            job = self._queue.popleft()
+            if not job.future.done():
+                job.future.set_exception(error)
+
+    def _peer_aborted(self, peer: int, reason: str) -> None:
+        if self._error is None:
+            self._fail(PeerFailure(f"rank {peer} aborted its communicator ({reason}); "
+                                   f"rank {self.rank} can no longer run collectives on it", rank=peer))
 
     # -- lifecycle --------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
@@ -240,13 +251,11 @@ class Comm:
                 "links": {peer: link.stats() for peer, link in self._links.items()}}
 
     def abort(self, reason: str = "aborted") -> None:
-        """Fail every pending and later collective on this rank at once."""
+        """Fail every pending and later collective here at once, and tell every peer."""
         if self._error is None:
             self._fail(CommClosedError(f"communicator (rank {self.rank}) {reason}"))
-        while self._queue:
-            job = self._queue.popleft()
-            if not job.future.done():
-                job.future.set_exception(self._error or CommClosedError(reason))
+            for link in self._links.values():
+                link.send_abort(reason)
 
     async def close(self) -> None:
         """Finish pending collectives, meet the other ranks, and release every resource."""

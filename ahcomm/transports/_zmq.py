@@ -23,13 +23,15 @@ from .base import BUFFER_NAMES, Link, ProgressHook
 
 # kind, signal-or-buffer, index, nbytes, seq, offset
 HEADER = struct.Struct("<BBHIqQ")
-MSG_SIGNAL, MSG_PUT, MSG_DATA_ACK, MSG_PROGRESS = 1, 2, 3, 4
+MSG_SIGNAL, MSG_PUT, MSG_DATA_ACK, MSG_PROGRESS, MSG_ABORT = 1, 2, 3, 4, 5
+MAX_REASON = 1024
 RANK_ID = struct.Struct("<I")
 COPY_THRESHOLD = 64 * 1024  # frames at least this big are sent zero-copy
 
 
-def _context() -> zmq.Context:
-    return zmq.Context.instance()
+def _context() -> zmq.Context[Any]:
+    ctx: zmq.Context[Any] = zmq.Context.instance()
+    return ctx
 
 
 class Channel:
@@ -57,8 +59,8 @@ class Channel:
             self.router.close(0)
             raise TransportError(f"rank {rank}: cannot bind its link endpoint: {exc}") from exc
 
-    def dealer(self, endpoint: str) -> zmq.Socket:
-        sock = _context().socket(zmq.DEALER)
+    def dealer(self, endpoint: str) -> zmq.Socket[Any]:
+        sock: zmq.Socket[Any] = _context().socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDHWM, 0)
         sock.setsockopt(zmq.IDENTITY, RANK_ID.pack(self.rank))
@@ -81,7 +83,8 @@ class Channel:
                 if link is None or len(header) != HEADER.size:
                     self.rejected += 1
                 else:
-                    frames_left = link.on_message(*HEADER.unpack(header), router)
+                    kind, a, index, nbytes, seq, offset = HEADER.unpack(header)
+                    frames_left = link.on_message(kind, a, index, nbytes, seq, offset, router)
             except zmq.Again:  # pragma: no cover - EVENTS said readable
                 return
             except Exception:  # noqa: BLE001 - a bad message must not kill the reader
@@ -136,20 +139,30 @@ class ZmqLink(Link):
         if self._error is None:
             self._send(MSG_PROGRESS, 0, 0, seq)
 
+    def send_abort(self, reason: str) -> None:
+        data = reason.encode()[:MAX_REASON]
+        try:
+            self._send(MSG_ABORT, 0, 0, 0, len(data), 0, data)
+        except Exception:  # noqa: BLE001 - best effort on the way down
+            pass
+
     def on_message(self, kind: int, a: int, index: int, nbytes: int, seq: int, offset: int,
-                   sock: zmq.Socket) -> bool:
+                   sock: zmq.Socket[Any]) -> bool:
         """Handle one message; return True if frames of it are left unread."""
         if kind == MSG_SIGNAL:
             self.deliver(a, index, seq)
         elif kind == MSG_PROGRESS:
             self.progress(seq)
+        elif kind == MSG_ABORT:
+            reason = sock.recv(zmq.NOBLOCK) if sock.getsockopt(zmq.RCVMORE) else b""
+            self.peer_aborted(bytes(reason[:MAX_REASON]).decode(errors="replace"))
         else:
             return self.on_data_message(kind, a, index, nbytes, seq, offset, sock)
         return True
 
     @abstractmethod
     def on_data_message(self, kind: int, a: int, index: int, nbytes: int, seq: int, offset: int,
-                        sock: zmq.Socket) -> bool:
+                        sock: zmq.Socket[Any]) -> bool:
         """Messages specific to the transport (puts, data acks)."""
 
     def close(self) -> None:

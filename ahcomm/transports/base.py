@@ -41,6 +41,7 @@ class MemoryRunner(Protocol):
 
 
 ProgressHook = Callable[[int, int], None]  # (peer, seq of the peer's latest message)
+AbortHook = Callable[[int, str], None]  # (peer, reason)
 
 BUFFER_IDS = {"in": 0, "out": 1}
 BUFFER_NAMES = ("in", "out")
@@ -58,6 +59,7 @@ class Link(ABC):
         self._notifies: dict[tuple[int, int, int], Notify] = {}
         self._on_progress = on_progress
         self._error: BaseException | None = None
+        self.on_abort: AbortHook | None = None  # set by the communicator
         self.bytes_sent = 0
         self.bytes_received = 0
         self.signals_sent = 0
@@ -95,6 +97,15 @@ class Link(ABC):
     @abstractmethod
     def send_progress(self, seq: int) -> None:
         """Tell the peer that this rank has reached collective ``seq`` (no flag is set)."""
+
+    @abstractmethod
+    def send_abort(self, reason: str) -> None:
+        """Tell the peer that this rank aborted its communicator."""
+
+    def peer_aborted(self, reason: str) -> None:
+        """Called by the transport when the peer aborted."""
+        if self.on_abort is not None:
+            self.on_abort(self.peer, reason)
 
     # -- data -----------------------------------------------------------------------------
     def remote(self, buf: str) -> np.ndarray:

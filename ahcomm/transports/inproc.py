@@ -27,6 +27,10 @@ class InprocLink(MappedAccess, Link):
         assert self.twin is not None
         self.twin.progress(seq)
 
+    def send_abort(self, reason: str) -> None:
+        assert self.twin is not None
+        self.twin.peer_aborted(reason)
+
 
 class InprocWorld:
     """The shared state of an in-process job: each rank's buffers and links."""

@@ -53,12 +53,12 @@ class RdmaLink(ZmqLink):
             await self._flushed
 
     def on_data_message(self, kind: int, a: int, index: int, nbytes: int, seq: int, offset: int,
-                        sock: zmq.Socket) -> bool:
+                        sock: zmq.Socket[Any]) -> bool:
         if kind == MSG_PUT:
             region = self.channel.buffers.get(buffer_name(a)).array
             if offset + nbytes > region.nbytes or not sock.getsockopt(zmq.RCVMORE):
                 raise TransportError(f"rdma link {self.peer}->{self.rank}: put outside the CCL buffer")
-            got = sock.recv_into(region[offset:offset + nbytes], flags=zmq.NOBLOCK) if nbytes else len(sock.recv(zmq.NOBLOCK))
+            got = sock.recv_into(region[offset:offset + nbytes].data, flags=zmq.NOBLOCK) if nbytes else len(sock.recv(zmq.NOBLOCK))
             if got != nbytes:
                 raise TransportError(f"rdma link {self.peer}->{self.rank}: put of {got} bytes, header said {nbytes}")
             self.bytes_received += nbytes

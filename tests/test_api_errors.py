@@ -1,0 +1,111 @@
+"""Bad input raises a clear error on the calling rank before anything is sent."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import ahcomm
+from conftest import run_inproc
+
+
+async def test_bad_inputs_are_named() -> None:
+    async def body(comm: ahcomm.Comm) -> None:
+        x = np.ones(8, np.float32)
+        with pytest.raises(ahcomm.InvalidDtype, match="complex128"):
+            comm.all_reduce(np.ones(4, np.complex128))
+        with pytest.raises(TypeError, match="'avg' needs a floating dtype, got int32"):
+            comm.all_reduce(np.ones(4, np.int32), "avg")
+        with pytest.raises(ahcomm.InvalidArgument, match="unknown reduce op 'mean'"):
+            comm.all_reduce(x, "mean")
+        with pytest.raises(ahcomm.InvalidArgument, match=r"out has shape \(4,\).*expected shape \(8,\)"):
+            comm.all_reduce(x, out=np.empty(4, np.float32))
+        with pytest.raises(ahcomm.InvalidArgument, match="dtype float64"):
+            comm.all_reduce(x, out=np.empty(8, np.float64))
+        ro = np.empty(8, np.float32)
+        ro.flags.writeable = False
+        with pytest.raises(ahcomm.InvalidArgument, match="read-only"):
+            comm.all_reduce(x, out=ro)
+        with pytest.raises(ahcomm.InvalidArgument, match="root 5 is out of range for world size 2"):
+            comm.broadcast(x, root=5)
+        with pytest.raises(ahcomm.InvalidArgument, match="divisible by the world size.*reduce_scatter_v"):
+            comm.reduce_scatter(np.ones(3, np.float32))
+        with pytest.raises(ahcomm.InvalidArgument, match="must be a numpy array.*list"):
+            comm.all_reduce([1.0, 2.0])
+        with pytest.raises(ahcomm.InvalidArgument, match="'tree' cannot run all_reduce.*can: ring, mesh"):
+            comm.all_reduce(x, algorithm="tree")
+        # Nothing was issued by the failed calls: the next collective still pairs up.
+        assert comm.seq == 0
+        y = await comm.all_reduce(x)
+        assert np.all(y == 2)
+
+    await run_inproc(2, body)
+
+
+async def test_closed_communicator_refuses() -> None:
+    comms = await ahcomm.init_inprocess(2)
+    await asyncio_gather_close(comms)
+    with pytest.raises(ahcomm.CommClosedError, match="closed"):
+        comms[0].all_reduce(np.ones(2))
+
+
+async def asyncio_gather_close(comms: list[ahcomm.Comm]) -> None:
+    import asyncio
+
+    await asyncio.gather(*(c.close() for c in comms))
+
+
+async def test_abort_fails_pending_and_later_calls() -> None:
+    comms = await ahcomm.init_inprocess(2)
+    pending = comms[0].all_reduce(np.ones(4))  # rank 1 never joins
+    comms[0].abort("aborted by test")
+    with pytest.raises(ahcomm.AhcommError, match="aborted by test"):
+        await pending
+    with pytest.raises(ahcomm.CommClosedError):
+        comms[0].all_reduce(np.ones(4))
+    await asyncio_gather_close(comms)
+
+
+async def test_exec_timeout_names_op_and_seq(monkeypatch: pytest.MonkeyPatch) -> None:
+    comms = await ahcomm.init_inprocess(2)
+    comms[0]._exec_timeout = 0.2
+    with pytest.raises(ahcomm.CollectiveTimeout, match=r"all_reduce #0 on rank 0 did not complete"):
+        await comms[0].all_reduce(np.ones(4))
+    await asyncio_gather_close(comms)
+
+
+def test_module_api_without_init() -> None:
+    with pytest.raises(ahcomm.CommClosedError, match="ahcomm.init"):
+        ahcomm.get_rank()
+
+
+async def test_init_without_environment_says_how() -> None:
+    with pytest.raises(ahcomm.ConfigError, match="ahcomm-run"):
+        await ahcomm.init(config=ahcomm.Config())
+
+
+async def test_single_rank_init_needs_no_rendezvous() -> None:
+    comm = await ahcomm.init(rank=0, world_size=1, config=ahcomm.Config())
+    assert ahcomm.get_rank() == 0 and ahcomm.get_world_size() == 1
+    x = np.arange(5.0)
+    np.testing.assert_array_equal(await ahcomm.all_reduce(x), x)
+    np.testing.assert_array_equal(await ahcomm.all_gather(x), x)
+    np.testing.assert_array_equal(await ahcomm.reduce_scatter(x), x)
+    np.testing.assert_array_equal(await ahcomm.broadcast(x), x)
+    await ahcomm.barrier()
+    await ahcomm.finalize()
+    with pytest.raises(ahcomm.CommClosedError):
+        ahcomm.default_comm()
+
+
+async def test_abort_reaches_the_peers() -> None:
+    comms = await ahcomm.init_inprocess(3)
+    waiting = [comms[1].all_reduce(np.ones(4)), comms[2].all_reduce(np.ones(4))]
+    comms[0].abort("operator pressed stop")
+    for fut in waiting:
+        with pytest.raises(ahcomm.PeerFailure, match="rank 0 aborted its communicator \\(operator pressed stop\\)"):
+            await fut
+    assert comms[1].all_reduce is not None
+    with pytest.raises(ahcomm.CommClosedError, match="failed earlier"):
+        comms[2].all_reduce(np.ones(4))
+    await asyncio_gather_close(comms)

@@ -1,0 +1,81 @@
+"""Real processes through ahcomm-run: sdma (ipc + shared memory) and rdma (tcp) links."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).parent
+ROOT = HERE.parent
+pytestmark = pytest.mark.multiprocess
+
+
+def launch(n: int, *program: str, env: dict[str, str] | None = None, timeout: float = 180,
+           tag: bool = True) -> subprocess.CompletedProcess[str]:
+    full_env = {**os.environ, "AHCOMM_BUFFSIZE": "0.0625", "AHCOMM_EXEC_TIMEOUT": "60",
+                "AHCOMM_CONNECT_TIMEOUT": "60", **(env or {})}
+    argv = [sys.executable, "-m", "ahcomm.run", "-n", str(n), *(["--tag-output"] if tag else []), *program]
+    return subprocess.run(argv, env=full_env, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+@pytest.mark.parametrize("transport", ["sdma", "rdma"])
+def test_collectives_on_real_transports(n: int, transport: str) -> None:
+    proc = launch(n, str(HERE / "mp_worker.py"), env={"AHCOMM_TRANSPORT": transport, "EXPECT_LINK": transport})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for rank in range(n):
+        assert f"[{rank}] OK rank {rank}/{n} {transport}" in proc.stdout, proc.stdout + proc.stderr
+
+
+def test_launcher_stops_the_job_when_a_rank_fails(tmp_path: Path) -> None:
+    script = tmp_path / "fail.py"
+    script.write_text(
+        "import os, sys, time\n"
+        "rank = int(os.environ['AHCOMM_RANK'])\n"
+        "print('started', rank, flush=True)\n"
+        "if rank == 1:\n"
+        "    time.sleep(0.5); sys.exit(3)\n"
+        "time.sleep(120)\n"
+    )
+    proc = launch(4, str(script), timeout=60)
+    assert proc.returncode == 3, proc.stdout + proc.stderr
+    assert "ahcomm-run: rank 1 exited with code 3; stopping the other ranks" in proc.stderr
+    for rank in range(4):
+        assert f"[{rank}] started {rank}" in proc.stdout
+
+
+def test_launcher_env_and_untagged_output(tmp_path: Path) -> None:
+    script = tmp_path / "env.py"
+    script.write_text(
+        "import os\n"
+        "keys = ['AHCOMM_RANK', 'AHCOMM_WORLD_SIZE', 'AHCOMM_LOCAL_RANK', 'AHCOMM_LOCAL_WORLD_SIZE',"
+        " 'AHCOMM_MASTER_ADDR']\n"
+        "print(' '.join(os.environ[k] for k in keys), flush=True)\n"
+    )
+    proc = launch(3, "python", str(script), tag=False)
+    assert proc.returncode == 0, proc.stderr
+    assert sorted(proc.stdout.split("\n")[:3]) == [f"{r} 3 {r} 3 127.0.0.1" for r in range(3)]
+
+
+def test_example_runs() -> None:
+    proc = launch(4, "python", str(ROOT / "examples" / "01_allreduce.py"))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.count("all_reduce sum=10 (expected 10)") == 4
+
+
+def test_bench_cli_small_sweep(tmp_path: Path) -> None:
+    out = tmp_path / "bench.json"
+    argv = [sys.executable, "-m", "ahcomm.bench", "-n", "2", "all_reduce", "-b", "8", "-e", "256K", "-f", "64",
+            "-w", "1", "-i", "3", "--json", str(out)]
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "Avg bus bandwidth" in proc.stdout and "#wrong" in proc.stdout
+    import json
+
+    doc = json.loads(out.read_text())
+    assert doc["tool"] == "ahcomm" and [row["size"] for row in doc["rows"]] == [8, 512, 32768, 262144]
+    assert all(row["wrong"] == 0 and row["busbw"] > 0 for row in doc["rows"])
