@@ -7,7 +7,11 @@ the peer is on this host (and AHCOMM_TRANSPORT does not force rdma), else rdma.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import os
 from typing import Any
+
+import numpy as np
 
 from ._buffers import CclBuffers
 from ._comm import Comm
@@ -63,7 +67,8 @@ async def create(config: Config | None = None, *, rank: int | None = None, world
             info = {
                 "rank": rank, "size": size, "host": host, "endpoints": channel.endpoints,
                 "shm": [buffers.ccl_in.name, buffers.ccl_out.name] if shared else None,
-                "buffsize": buffers.nbytes,
+                "buffsize": buffers.nbytes, "pid": os.getpid(),
+                "probe": int(buffers.ccl_in.array.ctypes.data),  # lets same-host peers test single-copy reads
             }
             server = (asyncio.ensure_future(serve(cfg.master_addr, port, size, cfg.connect_timeout))
                       if rank == 0 else None)
@@ -92,8 +97,17 @@ async def create(config: Config | None = None, *, rank: int | None = None, world
             channel.close()
         buffers.close()
 
-    return Comm(rank=rank, size=size, links=links, buffers=buffers, topo=topo, progress=progress,
+    comm = Comm(rank=rank, size=size, links=links, buffers=buffers, topo=topo, progress=progress,
                 selector=Selector(REGISTRY, cfg.algo), exec_timeout=cfg.exec_timeout, on_close=on_close)
+    if size > 1:
+        await _agree_single_copy(comm, cfg.single_copy and all(link.single_copy for link in links.values()))
+    return comm
+
+
+async def _agree_single_copy(comm: Comm, mine: bool) -> None:
+    """Single-copy reads are used only if every rank can read every peer (a collective decision)."""
+    agreed = await comm.all_reduce(np.array([1 if mine else 0], np.uint8), "min")
+    comm._set_topology(dataclasses.replace(comm.topology, single_copy=bool(agreed[0])))
 
 
 def _connect(rank: int, table: list[dict[str, Any]], channel: Channel, cfg: Config, host: str,
@@ -109,7 +123,8 @@ def _connect(rank: int, table: list[dict[str, Any]], channel: Channel, cfg: Conf
         if same_host and cfg.transport != "rdma" and entry.get("shm") and "ipc" in entry["endpoints"]:
             shm_in, shm_out = entry["shm"]
             links[peer] = SdmaLink(rank, peer, channel, entry["endpoints"]["ipc"], shm_in, shm_out,
-                                   int(entry["buffsize"]), progress.reached)
+                                   int(entry["buffsize"]), progress.reached, int(entry.get("pid", 0)),
+                                   int(entry.get("probe", 0)))
         else:
             links[peer] = RdmaLink(rank, peer, channel, entry["endpoints"]["tcp"], progress.reached)
     return links
@@ -128,9 +143,10 @@ async def _handshake(rank: int, links: dict[int, Link], timeout: float) -> None:
         raise ConnectError(f"rank {rank}: links to ranks {silent} did not come up within {timeout:g} s") from None
 
 
-async def create_inprocess(size: int, *, buffsize: int | None = None, algo: str = "") -> list[Comm]:
+async def create_inprocess(size: int, *, buffsize: int | None = None, algo: str = "",
+                           single_copy: bool = True) -> list[Comm]:
     """``size`` communicators in this event loop, joined by in-process links (for tests)."""
-    cfg = Config.from_env({})
+    cfg = dataclasses.replace(Config.from_env({}), single_copy=single_copy)
     nbytes = buffsize or cfg.buffsize
     world = InprocWorld(size)
     for r in range(size):
@@ -140,7 +156,7 @@ async def create_inprocess(size: int, *, buffsize: int | None = None, algo: str 
         progress = Progress(r, size)
         links: dict[int, Link] = dict(world.connect(r, progress.reached))
         kinds = tuple("self" if p == r else "inproc" for p in range(size))
-        topo = Topology(rank=r, size=size, hosts=("inproc",) * size, link_kinds=kinds)
+        topo = Topology(rank=r, size=size, hosts=("inproc",) * size, link_kinds=kinds, single_copy=cfg.single_copy)
         comms.append(Comm(rank=r, size=size, links=links, buffers=world.buffers[r], topo=topo, progress=progress,
                           selector=Selector(REGISTRY, algo), exec_timeout=cfg.exec_timeout))
     return comms

@@ -231,6 +231,10 @@ class Comm:
         if job.finish is not None:
             job.finish()
 
+    def _set_topology(self, topo: Topology) -> None:
+        self.topology = topo
+        self._executor.topo = topo
+
     def _fail(self, error: BaseException) -> None:
         self._error = error
         self._executor.abort(error)

@@ -68,6 +68,7 @@ class Config:
     exec_timeout: float = 1800.0
     if_ip: str | None = None  # address this rank's tcp endpoint binds to
     server_id: str | None = None  # host identity override
+    single_copy: bool = True  # AHCOMM_SINGLE_COPY=0 turns off reads of peers' memory
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> "Config":
@@ -91,4 +92,5 @@ class Config:
             exec_timeout=_float(env, "AHCOMM_EXEC_TIMEOUT", 1800.0),
             if_ip=env.get("AHCOMM_IF_IP") or None,
             server_id=env.get("AHCOMM_SERVER_ID") or None,
+            single_copy=env.get("AHCOMM_SINGLE_COPY", "1").strip().lower() not in ("0", "false", "no", "off"),
         )

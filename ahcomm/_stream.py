@@ -10,6 +10,10 @@ An idle stream runs a task at once, inside ``submit``, when the task can finish 
 waiting (a small copy, a post, a wait on a flag already set); only what must wait goes
 through the runner task. Order is unchanged: nothing is queued when that happens.
 
+A stream made with ``inline=True`` (the executor's main stream) has no runner task: what
+it could not run at once is run by whoever awaits ``synchronize()``, one wake-up fewer per
+collective. Such a stream must be synchronized for its queued tasks to run.
+
 A failed task puts the stream into a failed state: later tasks are skipped until the next
 ``synchronize()``, which raises the error and leaves the stream usable again.
 """
@@ -33,8 +37,9 @@ TaskFn = Callable[[], "Awaitable[Any] | None"]
 class Stream:
     """An ordered queue of tasks executed by one asyncio task."""
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, *, inline: bool = False) -> None:
         self.name = name
+        self.inline = inline
         self._queue: deque[tuple[TaskFn, asyncio.Future[None] | None]] = deque()
         self._wakeup: asyncio.Future[None] | None = None
         self._runner: asyncio.Task[None] | None = None
@@ -63,6 +68,8 @@ class Stream:
         if self._closed:
             raise RuntimeError(f"stream {self.name} is closed")
         self._queue.append((fn, marker))
+        if self.inline:
+            return
         if self._runner is None:
             self._runner = asyncio.get_running_loop().create_task(self._run(), name=f"ahcomm-stream-{self.name}")
         elif self._wakeup is not None and not self._wakeup.done():
@@ -90,8 +97,13 @@ class Stream:
 
     # -- execution ----------------------------------------------------------------------
     def memory(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> "Awaitable[Any] | None":
-        """Run a numpy memory op inline if small, else on this stream's copy engine."""
-        nbytes = max((a.nbytes for a in args if isinstance(a, np.ndarray)), default=0)
+        """Run a numpy memory op inline if small, else on this stream's copy engine.
+
+        The size that decides is that of the first argument (the destination, or the
+        first operand of a reduction: every operand of one op has the same size).
+        """
+        first = args[0] if args else None
+        nbytes = first.nbytes if isinstance(first, np.ndarray) else 0
         if nbytes < ENGINE_THRESHOLD:
             fn(*args, **kwargs)
             return None
@@ -135,6 +147,8 @@ class Stream:
 
     async def synchronize(self) -> None:
         """Wait until every task submitted so far has run; raise the first failure, if any."""
+        if self.inline:
+            await self._drain()
         if not self._queue and not self._busy:
             error, self._error = self._error, None
             if error is not None:
@@ -143,6 +157,28 @@ class Stream:
         marker: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._push(lambda: None, marker)
         await marker
+
+    async def _drain(self) -> None:
+        """Run the queued tasks in the caller (inline streams)."""
+        queue = self._queue
+        self._busy = True
+        try:
+            while queue:
+                fn, _ = queue.popleft()
+                if self._error is not None:
+                    continue
+                try:
+                    result = fn()
+                    if result is not None:
+                        await result
+                    self.tasks_run += 1
+                except asyncio.CancelledError:
+                    self._error = asyncio.CancelledError()
+                    raise
+                except BaseException as exc:  # noqa: BLE001 - raised below
+                    self._error = exc
+        finally:
+            self._busy = False
 
     def abort(self, error: BaseException) -> None:
         """Drop queued work and fail pending synchronize() calls with ``error``."""

@@ -85,7 +85,7 @@ class Executor:
         self.topo = topo
         self.progress = progress
         self.half = buffers.nbytes // 2 // ALIGN * ALIGN
-        self.main = Stream("main")
+        self.main = Stream("main", inline=True)
         self.subs: list[Stream] = []
 
     def _substreams(self, count: int) -> list[Stream]:
@@ -102,7 +102,8 @@ class Executor:
                 np.copyto(dst, src)
             self._report(call, communicated=False)
             return
-        await self.progress.wait_all(call.seq - 2)
+        if self.progress.low() < call.seq - 2:
+            await self.progress.wait_all(call.seq - 2)
         res = algorithm.resources(call, self.topo, self.half)
         subs = self._substreams(res.substreams)
         step = max(1, res.max_count or call.count)
@@ -112,12 +113,13 @@ class Executor:
         for a in range(0, max(call.count, 1), step):
             b = min(a + step, call.count)
             s, d = self._views(call, src, dst, a, b, inplace)
-            ctx = Context(call=call, rank=self.rank, size=self.size, links=self.links, src=s, dst=d,
+            ctx = Context(call=call, topo=self.topo, links=self.links, src=s, dst=d,
                           ccl_in=ccl_in, ccl_out=ccl_out, half_offset=parity, main=self.main, subs=subs,
                           ufunc=ufunc, final=b == call.count)
             await algorithm.orchestrate(ctx)
         for link in self.links.values():
-            await link.flush()
+            if not link.mapped:
+                await link.flush()
         self._report(call, communicated=True)
 
     def _report(self, call: Call, communicated: bool) -> None:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import ClassVar, Hashable, Sequence
 
 import numpy as np
@@ -63,12 +64,13 @@ class Topology:
     size: int
     hosts: tuple[str, ...]  # host identity of every rank
     link_kinds: tuple[str, ...]  # kind of the link to every rank ("self" for this rank)
+    single_copy: bool = False  # every rank can read every peer's memory (agreed at init)
 
-    @property
+    @cached_property
     def all_mapped(self) -> bool:
         return all(k in ("self", "sdma", "inproc") for k in self.link_kinds)
 
-    @property
+    @cached_property
     def servers(self) -> int:
         return len(set(self.hosts))
 
@@ -84,12 +86,13 @@ class Resources:
 class Context:
     """Everything ``orchestrate`` touches for one run (one slice of one collective)."""
 
-    def __init__(self, *, call: Call, rank: int, size: int, links: dict[int, Link], src: np.ndarray,
+    def __init__(self, *, call: Call, topo: Topology, links: dict[int, Link], src: np.ndarray,
                  dst: np.ndarray, ccl_in: np.ndarray, ccl_out: np.ndarray, half_offset: int, main: Stream,
                  subs: Sequence[Stream], ufunc: np.ufunc | None, final: bool = True) -> None:
         self.call = call
-        self.rank = rank
-        self.size = size
+        self.topo = topo
+        self.rank = topo.rank
+        self.size = topo.size
         self.links = links
         self.src = src  # input of this run: 1-D, or 2-D (size, n) where the op is blocked
         self.dst = dst  # output of this run, same convention
@@ -110,10 +113,10 @@ class Context:
             flag = self._locals[key] = Notify(f"local {key}")
         return flag
 
-    def post(self, stream: Stream, peer: int, signal: Signal, index: int = 0) -> None:
-        """Enqueue: set ``peer``'s flag (signal, index) for this collective."""
+    def post(self, stream: Stream, peer: int, signal: Signal, index: int = 0, value: int = 0) -> None:
+        """Enqueue: set ``peer``'s flag (signal, index) for this collective, carrying ``value``."""
         link, seq = self.links[peer], self.call.seq
-        stream.submit(lambda: link.post(signal, index, seq))
+        stream.submit(lambda: link.post(signal, index, seq, value))
 
     def wait(self, stream: Stream, peer: int, signal: Signal, index: int = 0) -> None:
         """Enqueue: wait for the flag ``peer`` posts on us."""
@@ -123,6 +126,19 @@ class Context:
         """Enqueue: write ``src`` into ``peer``'s buffer at ``offset`` within this collective's half."""
         link, seq, at = self.links[peer], self.call.seq, self.half_offset + offset
         stream.submit(lambda: link.put(src, buf, at, seq, stream.memory))
+
+    def read(self, stream: Stream, peer: int, dst: np.ndarray, signal: Signal, index: int = 0,
+             offset: int = 0) -> None:
+        """Enqueue: copy from ``peer``'s memory at (the value it posted with signal) + ``offset``.
+
+        The address is looked up when the task runs, so enqueue it after the matching wait.
+        """
+        link, seq = self.links[peer], self.call.seq
+        stream.submit(lambda: link.read(dst, link.value(signal, index, seq) + offset, stream.memory))
+
+    def posted(self, peer: int, signal: Signal, index: int = 0) -> int:
+        """The value ``peer`` posted with (signal, index) in this collective (after the wait)."""
+        return self.links[peer].value(signal, index, self.call.seq)
 
     def remote(self, peer: int, buf: str) -> np.ndarray:
         """This collective's half of ``peer``'s buffer, mapped (uint8)."""

@@ -8,39 +8,68 @@ the last slice that job falls to the executor (a buffer half is reused two colle
 later, once every rank is known to be past this one).
 
 Reductions combine contributions in rank order, so every rank gets the same bits.
+
+Single copy: where every rank can read its peers' memory (``Topology.single_copy``; on
+one host through cross-memory attach), large all_gather, broadcast and all_reduce skip
+the staging copy. A rank posts the address of its user buffer with DataSignal and its
+peers read from it directly (HCCL's zero-copy idea, OpenMPI's CMA single copy); a closing
+Ack round tells every owner that nobody reads its buffers any more. The all_reduce pulls
+each peer's share through a small scratch piece that stays in cache while it is reduced.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+from typing import Callable
+
 from .._stream import Stream
 from ..transports.base import Signal
-from .base import Algorithm, Call, Context, Resources, Topology, split
+from .base import Algorithm, Call, Context, Resources, Topology, aligned, split
 
 DIRECT_BYTES = 32 * 1024  # all_reduce below this: every rank reduces the whole vector itself
+SINGLE_COPY_BYTES = 256 * 1024  # per-rank bytes from which single-copy reads pay off
+SCRATCH_BYTES = 1 << 20  # piece of a peer's share pulled into cache before it is reduced
+SC_DATA, SC_RESULT, SC_DONE = 2, 3, 2  # notify indexes of the single-copy protocol
+
+Job = Callable[[Stream], None]
+
+
+def single_copy(call: Call, topo: Topology) -> bool:
+    """Whether ``call`` takes the single-copy path (every rank decides the same)."""
+    if not topo.single_copy or call.op not in ("all_gather", "broadcast", "all_reduce"):
+        return False
+    return call.count * call.itemsize >= SINGLE_COPY_BYTES
+
+
+def _inline(fn: Callable[..., object], *args: object, **kwargs: object) -> None:
+    fn(*args, **kwargs)
 
 
 def _exchange(ctx: Context, signal: Signal, index: int = 0, peers: list[int] | None = None,
-              waiters: list[int] | None = None) -> None:
-    """On the main stream: post ``signal`` to ``peers``, then wait it from ``waiters``."""
+              waiters: list[int] | None = None, value: int = 0) -> None:
+    """On the main stream: post ``signal`` (with ``value``) to ``peers``, then wait it from ``waiters``."""
     others = [p for p in range(ctx.size) if p != ctx.rank]
     for p in others if peers is None else peers:
-        ctx.post(ctx.main, p, signal, index)
+        ctx.post(ctx.main, p, signal, index, value)
     for p in others if waiters is None else waiters:
         ctx.wait(ctx.main, p, signal, index)
 
 
-def _fan_out(ctx: Context, jobs: list[tuple[np.ndarray, np.ndarray]]) -> None:
-    """Copy each (dst, src) on its own sub-stream, all after the main stream's tasks so far."""
+def _copy(dst: np.ndarray, src: np.ndarray) -> Job:
+    return lambda stream: stream.copy(dst, src)
+
+
+def _fan_out(ctx: Context, jobs: list[Job]) -> None:
+    """Run each job on its own sub-stream, all after the main stream's tasks so far."""
     streams: list[Stream] = ctx.subs or [ctx.main]
-    for i, (dst, src) in enumerate(jobs):
+    for i, job in enumerate(jobs):
         stream = streams[i % len(streams)]
         if stream is not ctx.main:
             key = ("go", i)
             ctx.main.post(ctx.local(key))
             stream.wait(ctx.local(key))
-        stream.copy(dst, src)
+        job(stream)
         if stream is not ctx.main:
             stream.post(ctx.local(("done", i)))
     for i in range(len(jobs)):
@@ -68,6 +97,8 @@ class Mesh(Algorithm):
         return call.op in self.ops and topo.all_mapped
 
     def resources(self, call: Call, topo: Topology, half_bytes: int) -> Resources:
+        if single_copy(call, topo):  # user buffers are read in place: no slicing
+            return Resources(substreams=min(topo.size - 1, 3), max_count=None)
         per = half_bytes // call.itemsize
         if call.op == "reduce_scatter":
             per //= topo.size
@@ -76,7 +107,10 @@ class Mesh(Algorithm):
 
     async def orchestrate(self, ctx: Context) -> None:
         op = ctx.call.op
-        if op == "all_reduce":
+        if single_copy(ctx.call, ctx.topo):
+            {"all_gather": self._sc_all_gather, "broadcast": self._sc_broadcast,
+             "all_reduce": self._sc_all_reduce}[op](ctx)
+        elif op == "all_reduce":
             if ctx.dst.nbytes <= DIRECT_BYTES:
                 self._all_reduce_direct(ctx)
             else:
@@ -115,7 +149,7 @@ class Mesh(Algorithm):
         mine = ctx.typed(ctx.ccl_out, a * item, b - a)
         _reduce_in_order(ctx, mine, parts)
         _exchange(ctx, Signal.DATA, 1)
-        jobs = [(dst[a:b], mine if p == r else ctx.typed(ctx.remote(p, "out"), a * item, b - a))
+        jobs = [_copy(dst[a:b], mine if p == r else ctx.typed(ctx.remote(p, "out"), a * item, b - a))
                 for p, (a, b) in enumerate(chunks)]
         _fan_out(ctx, jobs)
         self._end_slice(ctx)
@@ -124,7 +158,7 @@ class Mesh(Algorithm):
         n, r, src, dst = ctx.size, ctx.rank, ctx.src, ctx.dst
         ctx.main.copy(ctx.typed(ctx.ccl_out, 0, src.size), src)
         _exchange(ctx, Signal.DATA)
-        jobs = [(dst[p], src if p == r else ctx.typed(ctx.remote(p, "out"), 0, src.size)) for p in range(n)]
+        jobs = [_copy(dst[p], src if p == r else ctx.typed(ctx.remote(p, "out"), 0, src.size)) for p in range(n)]
         _fan_out(ctx, jobs)
         self._end_slice(ctx)
 
@@ -154,3 +188,51 @@ class Mesh(Algorithm):
             ctx.main.copy(ctx.dst, ctx.typed(ctx.remote(root, "in"), 0, count))
             if not ctx.final:
                 _exchange(ctx, Signal.ACK, peers=[root], waiters=[])
+
+    # -- single copy: read peers' user buffers directly -------------------------------------------
+    def _sc_read(self, ctx: Context, peer: int, dst: np.ndarray, index: int, offset: int = 0) -> Job:
+        return lambda stream: ctx.read(stream, peer, dst, Signal.DATA, index, offset)
+
+    def _sc_all_gather(self, ctx: Context) -> None:
+        n, r, src, dst = ctx.size, ctx.rank, ctx.src, ctx.dst
+        _exchange(ctx, Signal.DATA, SC_DATA, value=src.ctypes.data)
+        _fan_out(ctx, [_copy(dst[p], src) if p == r else self._sc_read(ctx, p, dst[p], SC_DATA) for p in range(n)])
+        _exchange(ctx, Signal.ACK, SC_DONE)
+
+    def _sc_broadcast(self, ctx: Context) -> None:
+        r, root = ctx.rank, ctx.call.root
+        others = [p for p in range(ctx.size) if p != root]
+        if r == root:
+            _exchange(ctx, Signal.DATA, SC_DATA, peers=others, waiters=[], value=ctx.src.ctypes.data)
+            if ctx.dst is not ctx.src:
+                ctx.main.copy(ctx.dst, ctx.src)
+            _exchange(ctx, Signal.ACK, SC_DONE, peers=[], waiters=others)
+        else:
+            _exchange(ctx, Signal.DATA, SC_DATA, peers=[], waiters=[root])
+            ctx.read(ctx.main, root, ctx.dst, Signal.DATA, SC_DATA)
+            _exchange(ctx, Signal.ACK, SC_DONE, peers=[root], waiters=[])
+
+    def _sc_all_reduce(self, ctx: Context) -> None:
+        n, r, src, dst = ctx.size, ctx.rank, ctx.src, ctx.dst
+        item, ufunc = ctx.call.itemsize, ctx.ufunc
+        assert ufunc is not None
+        chunks = split(dst.size, n)
+        _exchange(ctx, Signal.DATA, SC_DATA, value=src.ctypes.data)
+        a, b = chunks[r]
+        peers = [(ctx.links[p], p) for p in range(n) if p != r]
+        step = max(1, aligned(min(SCRATCH_BYTES, ctx.ccl_out.nbytes), item) // item)
+        scratch = ctx.typed(ctx.ccl_out, 0, min(step, b - a))
+
+        def reduce_share() -> None:  # one engine task: no event-loop round trip per piece
+            for lo in range(a, b, step):
+                hi = min(lo + step, b)
+                tmp = scratch[:hi - lo]
+                for i, (link, p) in enumerate(peers):
+                    link.read(tmp, ctx.posted(p, Signal.DATA, SC_DATA) + lo * item, _inline)
+                    ufunc(src[lo:hi] if i == 0 else dst[lo:hi], tmp, out=dst[lo:hi])
+
+        ctx.main.submit(lambda: ctx.main.memory(lambda _d: reduce_share(), dst[a:b]))
+        _exchange(ctx, Signal.DATA, SC_RESULT, value=dst.ctypes.data)
+        _fan_out(ctx, [self._sc_read(ctx, p, dst[pa:pb], SC_RESULT, pa * item)
+                       for p, (pa, pb) in enumerate(chunks) if p != r])
+        _exchange(ctx, Signal.ACK, SC_DONE)

@@ -21,7 +21,7 @@ from .._buffers import CclBuffers
 from .._errors import TransportError
 from .base import BUFFER_NAMES, Link, ProgressHook
 
-# kind, signal-or-buffer, index, nbytes, seq, offset
+# kind, signal-or-buffer, index, nbytes, seq, offset (a signal's value travels as its offset)
 HEADER = struct.Struct("<BBHIqQ")
 MSG_SIGNAL, MSG_PUT, MSG_DATA_ACK, MSG_PROGRESS, MSG_ABORT = 1, 2, 3, 4, 5
 MAX_REASON = 1024
@@ -73,20 +73,25 @@ class Channel:
         self._on_readable()  # messages that arrived before the reader was installed
 
     def _on_readable(self) -> None:
-        router = self.router
+        router, links, unpack = self.router, self.links, HEADER.unpack
         while router.getsockopt(zmq.EVENTS) & zmq.POLLIN:
             frames_left = True
             try:
                 ident = router.recv(zmq.NOBLOCK)
-                header = router.recv(zmq.NOBLOCK) if router.getsockopt(zmq.RCVMORE) else b""
-                link = self.links.get(RANK_ID.unpack(ident)[0]) if len(ident) == RANK_ID.size else None
+                header = router.recv(zmq.NOBLOCK)  # a one-frame message raises Again here
+                link = links.get(RANK_ID.unpack(ident)[0]) if len(ident) == RANK_ID.size else None
                 if link is None or len(header) != HEADER.size:
                     self.rejected += 1
                 else:
-                    kind, a, index, nbytes, seq, offset = HEADER.unpack(header)
-                    frames_left = link.on_message(kind, a, index, nbytes, seq, offset, router)
-            except zmq.Again:  # pragma: no cover - EVENTS said readable
-                return
+                    kind, a, index, nbytes, seq, offset = unpack(header)
+                    if kind == MSG_SIGNAL:  # the hot path: no further frames by protocol
+                        link.deliver(a, index, seq, offset)
+                        frames_left = False
+                    else:
+                        frames_left = link.on_message(kind, a, index, nbytes, seq, offset, router)
+            except zmq.Again:
+                self.rejected += 1
+                continue
             except Exception:  # noqa: BLE001 - a bad message must not kill the reader
                 self.rejected += 1
             if frames_left:
@@ -129,11 +134,11 @@ class ZmqLink(Link):
         except zmq.ZMQError as exc:
             raise TransportError(f"link {self.rank}->{self.peer}: send failed: {exc}") from exc
 
-    def post(self, signal: int, index: int, seq: int) -> None:
+    def post(self, signal: int, index: int, seq: int, value: int = 0) -> None:
         if self._error is not None:
             raise self._error
         self.signals_sent += 1
-        self._send(MSG_SIGNAL, signal, index, seq)
+        self._send(MSG_SIGNAL, signal, index, seq, 0, value)
 
     def send_progress(self, seq: int) -> None:
         if self._error is None:
@@ -150,7 +155,7 @@ class ZmqLink(Link):
                    sock: zmq.Socket[Any]) -> bool:
         """Handle one message; return True if frames of it are left unread."""
         if kind == MSG_SIGNAL:
-            self.deliver(a, index, seq)
+            self.deliver(a, index, seq, offset)
         elif kind == MSG_PROGRESS:
             self.progress(seq)
         elif kind == MSG_ABORT:

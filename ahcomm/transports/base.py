@@ -10,6 +10,9 @@ and, on RDMA-like links, DataAck) and gives access to the peer's CCL buffers:
   the peer is later told DATA for the same ``seq``, the bytes have landed.
 * ``remote(buf)`` is the peer's buffer mapped here (``mapped`` links only): algorithms
   such as mesh read and reduce straight out of it.
+* ``read(dst, addr, run)`` copies from the peer's own memory at ``addr`` (``single_copy``
+  links only): a peer posts the address of its user buffer with a signal's ``value``, and
+  the reader fetches the bytes in one copy, with no staging through CCL buffers.
 
 Concrete transports (``inproc``, ``sdma``, ``rdma``) implement this; algorithms only ever
 see ``Link``.
@@ -52,11 +55,13 @@ class Link(ABC):
 
     kind: ClassVar[str] = "abstract"
     mapped: ClassVar[bool] = False
+    single_copy: bool = False  # read() works on this link (set once probed)
 
     def __init__(self, rank: int, peer: int, on_progress: ProgressHook | None = None) -> None:
         self.rank = rank
         self.peer = peer
         self._notifies: dict[tuple[int, int, int], Notify] = {}
+        self._values: dict[tuple[int, int, int], int] = {}
         self._on_progress = on_progress
         self._error: BaseException | None = None
         self.on_abort: AbortHook | None = None  # set by the communicator
@@ -78,10 +83,15 @@ class Link(ABC):
             self._notifies[key] = flag
         return flag
 
-    def deliver(self, signal: int, index: int, seq: int) -> None:
-        """Called by the transport when the peer posted ``signal`` on us."""
+    def deliver(self, signal: int, index: int, seq: int, value: int = 0) -> None:
+        """Called by the transport when the peer posted ``signal`` (carrying ``value``) on us."""
+        self._values[(int(signal), index, seq & 1)] = value
         self.notify(signal, index, seq).post()
         self.progress(seq)
+
+    def value(self, signal: int, index: int, seq: int) -> int:
+        """The value carried by the last post of (signal, index) for ``seq``'s parity."""
+        return self._values.get((int(signal), index, seq & 1), 0)
 
     def progress(self, seq: int) -> None:
         if self._on_progress is not None:
@@ -91,8 +101,8 @@ class Link(ABC):
         await self.notify(signal, index, seq).wait()
 
     @abstractmethod
-    def post(self, signal: int, index: int, seq: int) -> None:
-        """Set the peer's flag for this link."""
+    def post(self, signal: int, index: int, seq: int, value: int = 0) -> None:
+        """Set the peer's flag for this link; ``value`` travels with it (e.g. a buffer address)."""
 
     @abstractmethod
     def send_progress(self, seq: int) -> None:
@@ -115,6 +125,10 @@ class Link(ABC):
     @abstractmethod
     def put(self, src: np.ndarray, buf: str, offset: int, seq: int, run: MemoryRunner) -> "Awaitable[Any] | None":
         """Write ``src`` (contiguous) into the peer's buffer ``buf`` at byte ``offset``."""
+
+    def read(self, dst: np.ndarray, addr: int, run: MemoryRunner) -> "Awaitable[Any] | None":
+        """Copy ``dst.nbytes`` bytes from the peer's memory at ``addr`` into ``dst``."""
+        raise NotImplementedError(f"{self.kind} links cannot read a peer's memory")
 
     async def flush(self) -> None:
         """Wait until every put so far has landed at the peer (no-op where puts are copies)."""

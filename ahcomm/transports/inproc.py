@@ -6,22 +6,36 @@ plain numpy arrays, so links are mapped, exactly like SDMA links on one host.
 
 from __future__ import annotations
 
+import ctypes
+from typing import Any, Awaitable
+
+import numpy as np
+
 from .._buffers import CclBuffers
-from .base import Link, MappedAccess, ProgressHook
+from .base import Link, MappedAccess, MemoryRunner, ProgressHook
+
+
+def _memmove(dst: np.ndarray, addr: int) -> None:
+    ctypes.memmove(dst.ctypes.data, addr, dst.nbytes)
 
 
 class InprocLink(MappedAccess, Link):
     kind = "inproc"
+    single_copy = True  # one address space: a read is a memmove
 
     def __init__(self, rank: int, peer: int, peer_buffers: CclBuffers, on_progress: ProgressHook | None) -> None:
         super().__init__(rank, peer, on_progress)
         self._remote = (peer_buffers.ccl_in.array, peer_buffers.ccl_out.array)
         self.twin: InprocLink | None = None  # the peer's link back to us
 
-    def post(self, signal: int, index: int, seq: int) -> None:
+    def post(self, signal: int, index: int, seq: int, value: int = 0) -> None:
         assert self.twin is not None
         self.signals_sent += 1
-        self.twin.deliver(signal, index, seq)
+        self.twin.deliver(signal, index, seq, value)
+
+    def read(self, dst: np.ndarray, addr: int, run: MemoryRunner) -> "Awaitable[Any] | None":
+        self.bytes_received += dst.nbytes
+        return run(_memmove, dst, addr)
 
     def send_progress(self, seq: int) -> None:
         assert self.twin is not None

@@ -7,24 +7,32 @@ buffer and a mesh algorithm can read or reduce straight out of it.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Awaitable
 
+import numpy as np
 import zmq
 
 from .._buffers import SharedRegion
 from .._errors import TransportError
+from . import _cma
 from ._zmq import Channel, ZmqLink
-from .base import MappedAccess, ProgressHook
+from .base import MappedAccess, MemoryRunner, ProgressHook
 
 
 class SdmaLink(MappedAccess, ZmqLink):
     kind = "sdma"
 
     def __init__(self, rank: int, peer: int, channel: Channel, endpoint: str, shm_in: str, shm_out: str,
-                 nbytes: int, on_progress: ProgressHook | None) -> None:
+                 nbytes: int, on_progress: ProgressHook | None, pid: int = 0, probe_addr: int = 0) -> None:
         self._regions = (SharedRegion.attach(shm_in, nbytes), SharedRegion.attach(shm_out, nbytes))
         self._remote = (self._regions[0].array, self._regions[1].array)
         super().__init__(rank, peer, channel, endpoint, on_progress)
+        self.pid = pid
+        self.single_copy = bool(pid and probe_addr and _cma.probe(pid, probe_addr))
+
+    def read(self, dst: np.ndarray, addr: int, run: MemoryRunner) -> "Awaitable[Any] | None":
+        self.bytes_received += dst.nbytes
+        return run(_cma.read, self.pid, dst, addr)
 
     def on_data_message(self, kind: int, a: int, index: int, nbytes: int, seq: int, offset: int,
                         sock: zmq.Socket[Any]) -> bool:
