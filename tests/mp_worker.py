@@ -24,6 +24,8 @@ async def main() -> None:
     kinds = {link["kind"] for link in comm.stats()["links"].values()}
     want_kind = os.environ["EXPECT_LINK"]
     assert kinds == {want_kind}, (kinds, want_kind)
+    if os.environ.get("EXPECT_SINGLE_COPY"):
+        assert comm.topology.single_copy == (os.environ["EXPECT_SINGLE_COPY"] == "1"), comm.topology
     salt = 0
     for algo in (None, "ring", "mesh" if want_kind == "sdma" else None):
         for count in (0, 1, 37, 50_000):  # 50k float64 = 400 KB > the 64 KiB CCL buffer of the test
@@ -54,7 +56,7 @@ async def main() -> None:
     moved = sum(link["bytes_sent"] for link in stats["links"].values())
     assert moved > 0
     await ahcomm.finalize()
-    print(f"OK rank {r}/{n} {want_kind} sent={moved}", flush=True)
+    print(f"OK rank {r}/{n} {want_kind} single_copy={comm.topology.single_copy} sent={moved}", flush=True)
 
 
 if __name__ == "__main__":

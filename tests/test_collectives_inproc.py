@@ -5,6 +5,7 @@ The CCL buffer is 2 KiB here, so the larger counts run in many slices and ring p
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import numpy as np
@@ -182,3 +183,38 @@ async def test_hypothesis_all_reduce_and_reduce_scatter(size: int, rows: int, ta
         assert_close(ar, want)
         assert_close(rs, np.split(want, size)[rank] if rows else want[:0])
         assert_close(ag, np.concatenate(xs))
+
+
+@pytest.mark.parametrize("size", [2, 3, 5, 8])
+@pytest.mark.parametrize("inplace", [False, True])
+async def test_single_copy_paths_match_staged_paths(size: int, inplace: bool, rng: np.random.Generator) -> None:
+    # 300k float32 per rank = 1.2 MB: above the single-copy threshold and bigger than the scratch piece.
+    count = 300_001
+    xs = [rng.integers(-8, 9, count).astype(np.float32) for _ in range(size)]
+
+    async def body(comm: ahcomm.Comm) -> list[np.ndarray]:
+        assert comm.topology.single_copy is single
+        x = xs[comm.rank]
+        y = x.copy()
+        ar = await comm.all_reduce(y, out=y if inplace else None, algorithm="mesh")
+        ag = await comm.all_gather(x, algorithm="mesh")
+        b = x.copy()
+        bc = await comm.broadcast(b, root=size - 1, out=b if inplace else None, algorithm="mesh")
+        mx = await comm.all_reduce(x, "max", algorithm="mesh")
+        return [ar, ag, bc, mx]
+
+    results = {}
+    for single in (True, False):
+        comms = await ahcomm.init_inprocess(size, buffsize=1 << 20, single_copy=single)
+        try:
+            results[single] = await asyncio.gather(*(body(c) for c in comms))
+        finally:
+            await asyncio.gather(*(c.close() for c in comms))
+    for rank in range(size):
+        ar, ag, bc, mx = results[True][rank]
+        assert_close(ar, reduce_ref(xs, "sum"))
+        assert_close(ag, np.concatenate(xs))
+        assert_close(bc, xs[size - 1])
+        assert_close(mx, reduce_ref(xs, "max"))
+        for got, staged in zip(results[True][rank], results[False][rank]):
+            np.testing.assert_array_equal(got, staged)

@@ -22,13 +22,37 @@ def launch(n: int, *program: str, env: dict[str, str] | None = None, timeout: fl
     return subprocess.run(argv, env=full_env, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
 
 
+def cma_works() -> bool:
+    """Whether this machine lets one process read another's memory (process_vm_readv)."""
+    from ahcomm.transports import _cma
+
+    child = subprocess.Popen([sys.executable, "-c", "import numpy as np, sys; a = np.ones(64, np.uint8); "
+                              "print(a.ctypes.data, flush=True); sys.stdin.read()"],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout is not None
+        return _cma.probe(child.pid, int(child.stdout.readline()))
+    finally:
+        child.kill()
+        child.wait()
+
+
 @pytest.mark.parametrize("n", [2, 3, 4])
 @pytest.mark.parametrize("transport", ["sdma", "rdma"])
 def test_collectives_on_real_transports(n: int, transport: str) -> None:
-    proc = launch(n, str(HERE / "mp_worker.py"), env={"AHCOMM_TRANSPORT": transport, "EXPECT_LINK": transport})
+    single = transport == "sdma" and cma_works()
+    env = {"AHCOMM_TRANSPORT": transport, "EXPECT_LINK": transport, "EXPECT_SINGLE_COPY": "1" if single else "0"}
+    proc = launch(n, str(HERE / "mp_worker.py"), env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     for rank in range(n):
-        assert f"[{rank}] OK rank {rank}/{n} {transport}" in proc.stdout, proc.stdout + proc.stderr
+        assert f"[{rank}] OK rank {rank}/{n} {transport} single_copy={single}" in proc.stdout, proc.stdout + proc.stderr
+
+
+def test_sdma_without_single_copy() -> None:
+    env = {"AHCOMM_TRANSPORT": "sdma", "EXPECT_LINK": "sdma", "AHCOMM_SINGLE_COPY": "0", "EXPECT_SINGLE_COPY": "0"}
+    proc = launch(3, str(HERE / "mp_worker.py"), env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.count("single_copy=False") == 3
 
 
 def test_launcher_stops_the_job_when_a_rank_fails(tmp_path: Path) -> None:
