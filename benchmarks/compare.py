@@ -81,7 +81,7 @@ def run_np(n: int, a: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         for op in a.ops:
             f = tmp / f"ahcomm-np{n}-{op}.json"
             doc = run_json([a.ahcomm_python, "-m", "ahcomm.bench", "-n", str(n), op, *sw,
-                            "--json", str(f)], a.timeout, tmp / f"ahcomm-np{n}-{op}.log")
+                            *a.ahcomm_args.split(), "--json", str(f)], a.timeout, tmp / f"ahcomm-np{n}-{op}.log")
             if "error" in doc:
                 merged["errors"].append({"op": op, **doc["error"]})
             else:
@@ -203,6 +203,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="smoke sweep -b 8 -e 4M -f 16")
     p.add_argument("--ahcomm-python", default=str(ROOT / ".venv" / "bin" / "python"))
     p.add_argument("--bench-python", default=str(ROOT / ".venv-bench" / "bin" / "python"))
+    p.add_argument("--ahcomm-args", default="--inplace",
+                   help="extra flags for ahcomm.bench (default --inplace: all_reduce and broadcast in place, "
+                        "as torch's and MPI's calls here are)")
     p.add_argument("--gloo-args", default="", help="extra flags for gloo_bench.py")
     p.add_argument("--mpi-args", default="", help="extra flags for mpi_bench.py, e.g. "
                    "'--malloc-tuned' or '--out-of-place'")

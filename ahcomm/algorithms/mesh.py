@@ -31,6 +31,7 @@ DIRECT_BYTES = 32 * 1024  # all_reduce below this: every rank reduces the whole 
 SINGLE_COPY_BYTES = 256 * 1024  # per-rank bytes from which single-copy reads pay off
 SCRATCH_BYTES = 1 << 20  # piece of a peer's share pulled into cache before it is reduced
 SC_DATA, SC_RESULT, SC_DONE = 2, 3, 2  # notify indexes of the single-copy protocol
+SPLIT_BYTES = 4 << 20  # reads at least this big are cut in two, one half per copy engine
 
 Job = Callable[[Stream], None]
 
@@ -98,7 +99,7 @@ class Mesh(Algorithm):
 
     def resources(self, call: Call, topo: Topology, half_bytes: int) -> Resources:
         if single_copy(call, topo):  # user buffers are read in place: no slicing
-            return Resources(substreams=min(topo.size - 1, 3), max_count=None)
+            return Resources(substreams=max(2, min(topo.size - 1, 3)), max_count=None)
         per = half_bytes // call.itemsize
         if call.op == "reduce_scatter":
             per //= topo.size
@@ -190,13 +191,23 @@ class Mesh(Algorithm):
                 _exchange(ctx, Signal.ACK, peers=[root], waiters=[])
 
     # -- single copy: read peers' user buffers directly -------------------------------------------
-    def _sc_read(self, ctx: Context, peer: int, dst: np.ndarray, index: int, offset: int = 0) -> Job:
-        return lambda stream: ctx.read(stream, peer, dst, Signal.DATA, index, offset)
+    def _sc_read(self, ctx: Context, peer: int, dst: np.ndarray, index: int, offset: int = 0) -> list[Job]:
+        """Read jobs for ``dst`` from ``peer``; big reads become two halves for two engines."""
+        if dst.nbytes < SPLIT_BYTES:
+            return [lambda stream: ctx.read(stream, peer, dst, Signal.DATA, index, offset)]
+        half = dst.size // 2
+        cut = half * ctx.call.itemsize
+        return [lambda stream: ctx.read(stream, peer, dst[:half], Signal.DATA, index, offset),
+                lambda stream: ctx.read(stream, peer, dst[half:], Signal.DATA, index, offset + cut)]
 
     def _sc_all_gather(self, ctx: Context) -> None:
         n, r, src, dst = ctx.size, ctx.rank, ctx.src, ctx.dst
         _exchange(ctx, Signal.DATA, SC_DATA, value=src.ctypes.data)
-        _fan_out(ctx, [_copy(dst[p], src) if p == r else self._sc_read(ctx, p, dst[p], SC_DATA) for p in range(n)])
+        jobs = [_copy(dst[r], src)]
+        for p in range(n):
+            if p != r:
+                jobs += self._sc_read(ctx, p, dst[p], SC_DATA)
+        _fan_out(ctx, jobs)
         _exchange(ctx, Signal.ACK, SC_DONE)
 
     def _sc_broadcast(self, ctx: Context) -> None:
@@ -209,7 +220,7 @@ class Mesh(Algorithm):
             _exchange(ctx, Signal.ACK, SC_DONE, peers=[], waiters=others)
         else:
             _exchange(ctx, Signal.DATA, SC_DATA, peers=[], waiters=[root])
-            ctx.read(ctx.main, root, ctx.dst, Signal.DATA, SC_DATA)
+            _fan_out(ctx, self._sc_read(ctx, root, ctx.dst, SC_DATA))
             _exchange(ctx, Signal.ACK, SC_DONE, peers=[root], waiters=[])
 
     def _sc_all_reduce(self, ctx: Context) -> None:
@@ -233,6 +244,6 @@ class Mesh(Algorithm):
 
         ctx.main.submit(lambda: ctx.main.memory(lambda _d: reduce_share(), dst[a:b]))
         _exchange(ctx, Signal.DATA, SC_RESULT, value=dst.ctypes.data)
-        _fan_out(ctx, [self._sc_read(ctx, p, dst[pa:pb], SC_RESULT, pa * item)
-                       for p, (pa, pb) in enumerate(chunks) if p != r])
+        _fan_out(ctx, [job for p, (pa, pb) in enumerate(chunks) if p != r
+                       for job in self._sc_read(ctx, p, dst[pa:pb], SC_RESULT, pa * item)])
         _exchange(ctx, Signal.ACK, SC_DONE)
