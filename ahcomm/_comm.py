@@ -27,7 +27,7 @@ from .algorithms.base import Algorithm, Call, Topology
 from .transports.base import Link
 
 
-@dataclass
+@dataclass(slots=True)
 class _Job:
     call: Call
     algorithm: Algorithm
@@ -68,6 +68,9 @@ class Comm:
         self._wakeup: asyncio.Future[None] | None = None
         self._error: BaseException | None = None
         self._closed = False
+        self._running: _Job | None = None  # the collective the executor is running
+        self._started = 0.0  # loop time it started
+        self._watchdog: asyncio.TimerHandle | None = None
         for link in links.values():
             link.on_abort = self._peer_aborted
 
@@ -220,16 +223,32 @@ class Comm:
     async def _run(self, job: _Job) -> None:
         call = job.call
         ufunc = ufunc_for(call.redop, call.dtype) if call.redop is not None else None
+        loop = asyncio.get_running_loop()
+        self._running, self._started = job, loop.time()
+        if self._watchdog is None:
+            self._watchdog = loop.call_later(self._exec_timeout, self._check_timeout)
         try:
-            async with asyncio.timeout(self._exec_timeout):
-                await self._executor.run(call, job.algorithm, job.src, job.dst, ufunc)
-        except TimeoutError:
-            raise CollectiveTimeout(
-                f"{call.op} #{call.seq} on rank {self.rank} did not complete within "
-                f"{self._exec_timeout:g} s (AHCOMM_EXEC_TIMEOUT)"
-            ) from None
+            await self._executor.run(call, job.algorithm, job.src, job.dst, ufunc)
+        finally:
+            self._running = None
         if job.finish is not None:
             job.finish()
+
+    def _check_timeout(self) -> None:
+        """The watchdog: one timer per communicator, not one per collective."""
+        self._watchdog = None
+        job = self._running
+        if job is None or self._error is not None:
+            return
+        loop = asyncio.get_running_loop()
+        left = self._started + self._exec_timeout - loop.time()
+        if left > 0:
+            self._watchdog = loop.call_later(left, self._check_timeout)
+            return
+        call = job.call
+        self._fail(CollectiveTimeout(
+            f"{call.op} #{call.seq} on rank {self.rank} did not complete within "
+            f"{self._exec_timeout:g} s (AHCOMM_EXEC_TIMEOUT); the communicator is now unusable"))
 
     def _set_topology(self, topo: Topology) -> None:
         self.topology = topo
@@ -273,6 +292,9 @@ class Comm:
         except Exception:  # noqa: BLE001 - closing regardless
             pass
         self._closed = True
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+            self._watchdog = None
         if self._worker is not None:
             self._worker.cancel()
             try:

@@ -87,6 +87,9 @@ class Executor:
         self.half = buffers.nbytes // 2 // ALIGN * ALIGN
         self.main = Stream("main", inline=True)
         self.subs: list[Stream] = []
+        h = self.half
+        self._halves = [(buffers.ccl_in.array[p:p + h], buffers.ccl_out.array[p:p + h]) for p in (0, h)]
+        self._unmapped = [link for link in links.values() if not link.mapped]
 
     def _substreams(self, count: int) -> list[Stream]:
         while len(self.subs) < count:
@@ -107,9 +110,8 @@ class Executor:
         res = algorithm.resources(call, self.topo, self.half)
         subs = self._substreams(res.substreams)
         step = max(1, res.max_count or call.count)
+        ccl_in, ccl_out = self._halves[call.seq & 1]
         parity = (call.seq & 1) * self.half
-        ccl_in = self.buffers.ccl_in.array[parity:parity + self.half]
-        ccl_out = self.buffers.ccl_out.array[parity:parity + self.half]
         for a in range(0, max(call.count, 1), step):
             b = min(a + step, call.count)
             s, d = self._views(call, src, dst, a, b, inplace)
@@ -117,9 +119,8 @@ class Executor:
                           ccl_in=ccl_in, ccl_out=ccl_out, half_offset=parity, main=self.main, subs=subs,
                           ufunc=ufunc, final=b == call.count)
             await algorithm.orchestrate(ctx)
-        for link in self.links.values():
-            if not link.mapped:
-                await link.flush()
+        for link in self._unmapped:
+            await link.flush()
         self._report(call, communicated=True)
 
     def _report(self, call: Call, communicated: bool) -> None:
@@ -132,6 +133,8 @@ class Executor:
     def _views(self, call: Call, src: np.ndarray, dst: np.ndarray, a: int, b: int,
                inplace: bool) -> tuple[np.ndarray, np.ndarray]:
         n, count = self.size, call.count
+        if a == 0 and b == count and call.op not in ("all_gather", "reduce_scatter"):
+            return src, dst  # one slice: the whole arrays, no new views
         if call.op == "all_gather":
             return src[a:b], dst.reshape(n, count)[:, a:b]
         if call.op == "reduce_scatter":

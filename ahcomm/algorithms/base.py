@@ -35,13 +35,13 @@ from ..transports.base import Link, Signal
 ALIGN = 64  # byte alignment of every region an algorithm carves from a CCL buffer
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Call:
     """One collective as every rank issued it.
 
     ``count`` is the per-rank block in elements: the whole vector for all_reduce and
     broadcast, the input of one rank for all_gather, the output of one rank for
-    reduce_scatter.
+    reduce_scatter. Treat it as read-only.
     """
 
     op: str
