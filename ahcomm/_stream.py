@@ -132,18 +132,25 @@ class Stream:
                 continue  # skip work after a failure, up to the next synchronize()
             self._busy = True
             try:
-                result = fn()
-                if result is not None:
-                    await result
-                self.tasks_run += 1
+                await self._execute(fn)
             except asyncio.CancelledError:
                 if self._closed:
                     raise
-                self._error = asyncio.CancelledError()
-            except BaseException as exc:  # noqa: BLE001 - reported at synchronize()
-                self._error = exc
             finally:
                 self._busy = False
+
+    async def _execute(self, fn: TaskFn) -> None:
+        """Run one task; a failure is kept for synchronize() (a cancellation also propagates)."""
+        try:
+            result = fn()
+            if result is not None:
+                await result
+            self.tasks_run += 1
+        except asyncio.CancelledError:
+            self._error = asyncio.CancelledError()
+            raise
+        except BaseException as exc:  # noqa: BLE001 - reported at synchronize()
+            self._error = exc
 
     async def synchronize(self) -> None:
         """Wait until every task submitted so far has run; raise the first failure, if any."""
@@ -165,18 +172,8 @@ class Stream:
         try:
             while queue:
                 fn, _ = queue.popleft()
-                if self._error is not None:
-                    continue
-                try:
-                    result = fn()
-                    if result is not None:
-                        await result
-                    self.tasks_run += 1
-                except asyncio.CancelledError:
-                    self._error = asyncio.CancelledError()
-                    raise
-                except BaseException as exc:  # noqa: BLE001 - raised below
-                    self._error = exc
+                if self._error is None:
+                    await self._execute(fn)
         finally:
             self._busy = False
 

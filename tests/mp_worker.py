@@ -46,6 +46,9 @@ async def main() -> None:
                 root = salt % n
                 got = await ahcomm.broadcast(x, root=root, algorithm=algo)
                 np.testing.assert_array_equal(got, xs[root])
+    big = data(0, 600_000, "float64", 99)  # 4.8 MB: broadcast takes its single-copy path where agreed
+    got = await comm.broadcast(big if r == 1 else np.zeros_like(big), root=1)
+    np.testing.assert_array_equal(got, big)
     # several in flight at once, mixed ops
     futs = [comm.all_reduce(np.full(1000, r + 1.0)), comm.all_gather(np.full(2, r)),
             comm.broadcast(np.full(3, float(r)), root=n - 1), comm.barrier(), comm.all_reduce(np.ones(70_000))]

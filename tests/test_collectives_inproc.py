@@ -188,8 +188,8 @@ async def test_hypothesis_all_reduce_and_reduce_scatter(size: int, rows: int, ta
 @pytest.mark.parametrize("size", [2, 3, 5, 8])
 @pytest.mark.parametrize("inplace", [False, True])
 async def test_single_copy_paths_match_staged_paths(size: int, inplace: bool, rng: np.random.Generator) -> None:
-    # 300k float32 per rank = 1.2 MB: above the single-copy threshold and bigger than the scratch piece.
-    count = 300_001
+    # 1.1M float32 per rank = 4.4 MB: above every single-copy threshold and bigger than the scratch piece.
+    count = 1_100_001
     xs = [rng.integers(-8, 9, count).astype(np.float32) for _ in range(size)]
 
     async def body(comm: ahcomm.Comm) -> list[np.ndarray]:
@@ -218,3 +218,24 @@ async def test_single_copy_paths_match_staged_paths(size: int, inplace: bool, rn
         assert_close(mx, reduce_ref(xs, "max"))
         for got, staged in zip(results[True][rank], results[False][rank]):
             np.testing.assert_array_equal(got, staged)
+
+
+@pytest.mark.parametrize("algo_env,expect_puts", [("", False), ("level0:ring", True), ("allreduce=level0:ring", True),
+                                                  ("allgather=level0:ring", False), ("level0:NA;level1:ring", False)])
+async def test_ahcomm_algo_routes_calls(algo_env: str, expect_puts: bool) -> None:
+    # Small all_reduce: mesh stages into its own buffer (no puts), ring puts to its neighbour.
+    async def body(comm: ahcomm.Comm) -> int:
+        await comm.all_reduce(np.ones(16))
+        return sum(link["bytes_sent"] for link in comm.stats()["links"].values())
+
+    sent = await run_inproc(3, body, algo=algo_env)
+    assert all((s > 0) == expect_puts for s in sent), sent
+
+
+async def test_algo_override_that_cannot_serve_names_alternatives() -> None:
+    comms = await ahcomm.init_inprocess(2, algo="level0:dissemination")
+    try:
+        with pytest.raises(ahcomm.InvalidArgument, match="AHCOMM_ALGO'dissemination' cannot run all_reduce.*ring, mesh"):
+            comms[0].all_reduce(np.ones(4))
+    finally:
+        await asyncio.gather(*(c.close() for c in comms))
