@@ -1,10 +1,10 @@
 """Ring: all_reduce (reduce-scatter + all-gather), all_gather, reduce_scatter, broadcast.
 
 Works on any link kind and any world size. Every step sends to the next rank and
-receives from the previous one through two slots of the receiver's CCL_In:
+receives from the previous one through ``SLOTS`` slots of the receiver's CCL_In:
 
-* the main stream sends: [wait local "piece ready"] -> [wait Ack(slot) from next] ->
-  put -> post DataSignal(slot) to next;
+* the main stream sends: [wait local "piece ready"] -> [wait Ack(slot) from next, once all
+  ``SLOTS`` slots are in use] -> put -> post DataSignal(slot) to next;
 * sub-stream 0 receives: wait DataSignal(slot) from prev -> reduce or copy out of the
   slot -> post Ack(slot) to prev -> post local "piece ready".
 
@@ -22,6 +22,7 @@ from ..transports.base import Signal
 from .base import ALIGN, Algorithm, Call, Context, Resources, Topology, align_up, aligned, pieces, split
 
 PIECE_BYTES = 2 << 20
+SLOTS = 4  # receive slots per rank: up to this many pieces in flight on each ring link
 
 Send = tuple[np.ndarray, Hashable | None]  # (source, local key to wait for first)
 Recv = tuple[np.ndarray, np.ndarray | None, Hashable]  # (destination, reduce operand or None, key)
@@ -29,7 +30,7 @@ Recv = tuple[np.ndarray, np.ndarray | None, Hashable]  # (destination, reduce op
 
 def _piece_elems(ctx: Context) -> tuple[int, int]:
     """(slot bytes, elements per piece) for this run."""
-    slot = aligned(ctx.ccl_in.nbytes // 2, ctx.call.itemsize)
+    slot = aligned(ctx.ccl_in.nbytes // SLOTS, ctx.call.itemsize)
     return slot, max(1, min(slot, PIECE_BYTES) // ctx.call.itemsize)
 
 
@@ -42,22 +43,22 @@ async def ring_pass(ctx: Context, sends: list[Send], recvs: list[Recv]) -> None:
     for k, (src, dep) in enumerate(sends):
         if dep is not None:
             tx.wait(ctx.local(dep))
-        if k >= 2:
-            ctx.wait(tx, nxt, Signal.ACK, k % 2)
-        ctx.put(tx, nxt, src, "in", (k % 2) * slot_bytes)
-        ctx.post(tx, nxt, Signal.DATA, k % 2)
-    for k in range(max(0, len(sends) - 2), len(sends)):
-        ctx.wait(tx, nxt, Signal.ACK, k % 2)  # drain the credits: flags rest at 0
+        if k >= SLOTS:
+            ctx.wait(tx, nxt, Signal.ACK, k % SLOTS)
+        ctx.put(tx, nxt, src, "in", (k % SLOTS) * slot_bytes)
+        ctx.post(tx, nxt, Signal.DATA, k % SLOTS)
+    for k in range(max(0, len(sends) - SLOTS), len(sends)):
+        ctx.wait(tx, nxt, Signal.ACK, k % SLOTS)  # drain the credits: flags rest at 0
     ufunc = ctx.ufunc
     for k, (dst, operand, key) in enumerate(recvs):
-        ctx.wait(rx, prv, Signal.DATA, k % 2)
-        landed = ctx.typed(ctx.ccl_in, (k % 2) * slot_bytes, dst.size)
+        ctx.wait(rx, prv, Signal.DATA, k % SLOTS)
+        landed = ctx.typed(ctx.ccl_in, (k % SLOTS) * slot_bytes, dst.size)
         if operand is None:
             rx.copy(dst, landed)
         else:
             assert ufunc is not None
             rx.reduce(ufunc, dst, operand, landed)
-        ctx.post(rx, prv, Signal.ACK, k % 2)
+        ctx.post(rx, prv, Signal.ACK, k % SLOTS)
         rx.post(ctx.local(key))
     await ctx.synchronize()
 
