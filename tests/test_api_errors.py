@@ -109,3 +109,12 @@ async def test_abort_reaches_the_peers() -> None:
     with pytest.raises(ahcomm.CommClosedError, match="failed earlier"):
         comms[2].all_reduce(np.ones(4))
     await asyncio_gather_close(comms)
+
+
+async def test_buffer_too_small_for_ring_reduce_scatter_is_a_clear_error() -> None:
+    async def body(comm: ahcomm.Comm) -> str:
+        with pytest.raises(ahcomm.ConfigError, match="AHCOMM_BUFFSIZE is too small for ring reduce_scatter on 12"):
+            await comm.reduce_scatter(np.ones(24), algorithm="ring")
+        return "ok"
+
+    assert await run_inproc(12, body, buffsize=1024) == ["ok"] * 12

@@ -18,6 +18,7 @@ from typing import Hashable
 
 import numpy as np
 
+from .._errors import ConfigError
 from ..transports.base import Signal
 from .base import ALIGN, Algorithm, Call, Context, Resources, Topology, align_up, aligned, pieces, split
 
@@ -72,7 +73,10 @@ class Ring(Algorithm):
             # Partial sums of the blocks in flight live in our CCL_Out half.
             blocks = max(1, topo.size - 2)
             per_block = (half_bytes // blocks // ALIGN * ALIGN) // call.itemsize
-            return Resources(substreams=1, max_count=max(1, per_block))
+            if per_block < 1:
+                raise ConfigError(f"AHCOMM_BUFFSIZE is too small for ring reduce_scatter on {topo.size} ranks: "
+                                  f"it needs at least {2 * blocks * ALIGN} bytes")
+            return Resources(substreams=1, max_count=per_block)
         return Resources(substreams=1)
 
     async def orchestrate(self, ctx: Context) -> None:
