@@ -24,24 +24,14 @@ async def init(*, rank: int | None = None, world_size: int | None = None, master
     (ahcomm-run, torchrun, OpenMPI, PMI, Slurm); explicit arguments win.
     """
     global _default
-    comm = await create(config, rank=rank, world_size=world_size, master_addr=master_addr,
-                        master_port=master_port)
-    _default = comm
-    original_close = comm._on_close
-
-    async def on_close() -> None:
-        global _default
-        if _default is comm:
-            _default = None
-        if original_close is not None:
-            await original_close()
-    comm._on_close = on_close
-    return comm
+    _default = await create(config, rank=rank, world_size=world_size, master_addr=master_addr,
+                            master_port=master_port)
+    return _default
 
 
 def default_comm() -> Comm:
     """The communicator made by the last ``init()``."""
-    if _default is None:
+    if _default is None or _default.closed:
         raise CommClosedError("no default communicator: call `await ahcomm.init()` first")
     return _default
 

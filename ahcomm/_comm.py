@@ -84,6 +84,10 @@ class Comm:
         await self.close()
 
     @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
     def seq(self) -> int:
         """Sequence number the next collective will get."""
         return self._seq

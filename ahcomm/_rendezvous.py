@@ -5,7 +5,6 @@ of all ranks back. Messages are msgpack maps; nothing is unpickled."""
 from __future__ import annotations
 
 import asyncio
-import os
 import socket
 from typing import Any
 
@@ -121,6 +120,3 @@ async def register(addr: str, port: int, info: dict[str, Any], timeout: float) -
         raise ConnectError(f"rendezvous refused rank {info['rank']}: {reply['error']}")
     return list(reply["table"])
 
-
-def job_tag() -> str:
-    return f"{os.getpid()}"
