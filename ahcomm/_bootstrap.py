@@ -38,7 +38,7 @@ def _resolve_config(config: Config | None, rank: int | None, world_size: int | N
     size = cfg.world_size if world_size is None else world_size
     port = cfg.master_port if master_port is None else master_port
     if master_addr is not None:
-        cfg = Config(**{**cfg.__dict__, "master_addr": master_addr})
+        cfg = dataclasses.replace(cfg, master_addr=master_addr)
     if size is None or rank is None:
         raise ConfigError("rank and world size are unknown: run under ahcomm-run (or torchrun, mpirun, srun), "
                           "set AHCOMM_RANK/AHCOMM_WORLD_SIZE, or pass rank= and world_size= to init()")
@@ -70,13 +70,7 @@ async def create(config: Config | None = None, *, rank: int | None = None, world
                 "buffsize": buffers.nbytes, "pid": os.getpid(),
                 "probe": int(buffers.ccl_in.array.ctypes.data),  # lets same-host peers test single-copy reads
             }
-            server = (asyncio.ensure_future(serve(cfg.master_addr, port, size, cfg.connect_timeout))
-                      if rank == 0 else None)
-            try:
-                table = await register(cfg.master_addr, port, info, cfg.connect_timeout)
-            finally:
-                if server is not None:
-                    await server
+            table = await _rendezvous(rank, size, port, cfg, info)
             links = _connect(rank, table, channel, cfg, host, progress)
             channel.start()
             await _handshake(rank, links, cfg.connect_timeout)
@@ -108,6 +102,23 @@ async def _agree_single_copy(comm: Comm, mine: bool) -> None:
     """Single-copy reads are used only if every rank can read every peer (a collective decision)."""
     agreed = await comm.all_reduce(np.array([1 if mine else 0], np.uint8), "min")
     comm._set_topology(dataclasses.replace(comm.topology, single_copy=bool(agreed[0])))
+
+
+async def _rendezvous(rank: int, size: int, port: int, cfg: Config, info: dict[str, Any]) -> list[dict[str, Any]]:
+    """Register with rank 0 (rank 0 also serves); a failure of either side surfaces at once."""
+    client = asyncio.ensure_future(register(cfg.master_addr, port, info, cfg.connect_timeout))
+    if rank != 0:
+        return await client
+    server = asyncio.ensure_future(serve(cfg.master_addr, port, size, cfg.connect_timeout))
+    done, _ = await asyncio.wait({client, server}, return_when=asyncio.FIRST_EXCEPTION)
+    for task in done:
+        if task.exception() is not None:
+            for other in (client, server):
+                other.cancel()
+            await asyncio.gather(client, server, return_exceptions=True)
+            raise task.exception()  # type: ignore[misc]
+    await server
+    return await client
 
 
 def _connect(rank: int, table: list[dict[str, Any]], channel: Channel, cfg: Config, host: str,

@@ -19,8 +19,7 @@ import numpy as np
 
 from ._buffers import CclBuffers
 from ._dtypes import ReduceOp, check_dtype, check_reduce, finish_avg, ufunc_for
-from ._errors import CollectiveTimeout, CommClosedError, CommunicationError, InvalidArgument, PeerFailure
-from .algorithms import REGISTRY
+from ._errors import CollectiveTimeout, CommClosedError, InvalidArgument, PeerFailure, UsageError
 from .algorithms._executor import Executor, Progress
 from .algorithms._selection import Selector
 from .algorithms.base import Algorithm, Call, Topology
@@ -118,7 +117,7 @@ class Comm:
             rows = arr.shape[0] if arr.ndim else "a 0-d array"
             raise InvalidArgument(
                 f"reduce_scatter: x.shape[0] ({rows}) must be divisible by the world size ({self.size}); "
-                "for uneven blocks use reduce_scatter_v"
+                f"pad x to a multiple of {self.size} rows (uneven blocks: reduce_scatter_v, planned)"
             )
         shape = (arr.shape[0] // self.size, *arr.shape[1:])
         return self._issue("reduce_scatter", arr, shape, arr.size // self.size, out, redop=redop,
@@ -162,7 +161,12 @@ class Comm:
         if op == "broadcast" and self.rank != root:
             inplace = result.flags.c_contiguous  # a non-root's x carries no data
         dst = result.reshape(-1) if result.flags.c_contiguous else np.empty(result.size, dtype)
-        src = dst if inplace else np.ascontiguousarray(arr).reshape(-1)
+        if inplace:
+            src = dst
+        elif np.may_share_memory(result, arr):  # out overlaps x without being x: read a copy
+            src = arr.reshape(-1).copy()
+        else:
+            src = np.ascontiguousarray(arr).reshape(-1)
         call = Call(op=op, seq=self._seq, dtype=dtype, count=count, redop=redop, root=int(root))
         chosen = self._selector.choose(call, self.topology, algorithm)
         self._seq += 1
@@ -211,15 +215,15 @@ class Comm:
                 if self._error is not None:
                     raise CommClosedError(f"communicator (rank {self.rank}) failed earlier: {self._error}")
                 await self._run(job)
-            except asyncio.CancelledError:
-                if not job.future.done():
-                    job.future.cancel()
-                raise
+            except asyncio.CancelledError as exc:
+                task = asyncio.current_task()
+                if task is not None and task.cancelling():  # the worker itself is being stopped
+                    if not job.future.done():
+                        job.future.cancel()
+                    raise
+                self._collective_failed(job, exc)
             except BaseException as exc:  # noqa: BLE001 - delivered to the caller
-                if isinstance(exc, CommunicationError) and self._error is None:
-                    self._fail(exc)
-                if not job.future.done():
-                    job.future.set_exception(exc)
+                self._collective_failed(job, exc)
             else:
                 if not job.future.done():
                     job.future.set_result(None if job.call.op == "barrier" else job.result)
@@ -238,6 +242,14 @@ class Comm:
         if job.finish is not None:
             job.finish()
 
+    def _collective_failed(self, job: _Job, exc: BaseException) -> None:
+        """A usage error found before anything was sent leaves the communicator usable; any
+        other failure leaves peers mid-protocol, so the communicator fails and they are told."""
+        if not isinstance(exc, UsageError) and self._error is None:
+            self._fail(exc, tell_peers=f"{job.call.op} #{job.call.seq} failed on rank {self.rank}: {exc}")
+        if not job.future.done():
+            job.future.set_exception(exc)
+
     def _check_timeout(self) -> None:
         """The watchdog: one timer per communicator, not one per collective."""
         self._watchdog = None
@@ -250,17 +262,20 @@ class Comm:
             self._watchdog = loop.call_later(left, self._check_timeout)
             return
         call = job.call
-        self._fail(CollectiveTimeout(
-            f"{call.op} #{call.seq} on rank {self.rank} did not complete within "
-            f"{self._exec_timeout:g} s (AHCOMM_EXEC_TIMEOUT); the communicator is now unusable"))
+        message = (f"{call.op} #{call.seq} on rank {self.rank} did not complete within "
+                   f"{self._exec_timeout:g} s (AHCOMM_EXEC_TIMEOUT); the communicator is now unusable")
+        self._fail(CollectiveTimeout(message), tell_peers=message)
 
     def _set_topology(self, topo: Topology) -> None:
         self.topology = topo
         self._executor.topo = topo
 
-    def _fail(self, error: BaseException) -> None:
+    def _fail(self, error: BaseException, tell_peers: str | None = None) -> None:
         self._error = error
         self._executor.abort(error)
+        if tell_peers is not None:
+            for link in self._links.values():
+                link.send_abort(tell_peers)
         while self._queue:
             job = self._queue.popleft()
             if not job.future.done():
@@ -280,9 +295,7 @@ class Comm:
     def abort(self, reason: str = "aborted") -> None:
         """Fail every pending and later collective here at once, and tell every peer."""
         if self._error is None:
-            self._fail(CommClosedError(f"communicator (rank {self.rank}) {reason}"))
-            for link in self._links.values():
-                link.send_abort(reason)
+            self._fail(CommClosedError(f"communicator (rank {self.rank}) {reason}"), tell_peers=reason)
 
     async def close(self) -> None:
         """Finish pending collectives, meet the other ranks, and release every resource."""
@@ -296,6 +309,11 @@ class Comm:
         except Exception:  # noqa: BLE001 - closing regardless
             pass
         self._closed = True
+        while self._queue:  # anything still queued will never run now
+            job = self._queue.popleft()
+            if not job.future.done():
+                job.future.set_exception(CommClosedError(f"communicator (rank {self.rank}) closed "
+                                                         f"before {job.call.op} #{job.call.seq} ran"))
         if self._watchdog is not None:
             self._watchdog.cancel()
             self._watchdog = None

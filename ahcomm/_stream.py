@@ -47,7 +47,7 @@ class Stream:
         self._engine: ThreadPoolExecutor | None = None
         self._closed = False
         self._busy = False  # the runner is awaiting a task
-        self.tasks_run = 0
+        self.on_error: Callable[[BaseException], None] | None = None  # told when a task fails
 
     # -- submission -------------------------------------------------------------------
     def submit(self, fn: TaskFn) -> None:
@@ -58,9 +58,8 @@ class Stream:
         try:
             pending = fn()
         except BaseException as exc:  # noqa: BLE001 - reported at synchronize()
-            self._error = exc
+            self._failed(exc)
             return
-        self.tasks_run += 1
         if pending is not None:
             self._push(lambda: pending, None)
 
@@ -134,7 +133,8 @@ class Stream:
             try:
                 await self._execute(fn)
             except asyncio.CancelledError:
-                if self._closed:
+                task = asyncio.current_task()
+                if self._closed or (task is not None and task.cancelling()):
                     raise
             finally:
                 self._busy = False
@@ -145,12 +145,16 @@ class Stream:
             result = fn()
             if result is not None:
                 await result
-            self.tasks_run += 1
         except asyncio.CancelledError:
-            self._error = asyncio.CancelledError()
+            self._failed(asyncio.CancelledError())
             raise
         except BaseException as exc:  # noqa: BLE001 - reported at synchronize()
-            self._error = exc
+            self._failed(exc)
+
+    def _failed(self, exc: BaseException) -> None:
+        self._error = exc
+        if self.on_error is not None:
+            self.on_error(exc)
 
     async def synchronize(self) -> None:
         """Wait until every task submitted so far has run; raise the first failure, if any."""
@@ -179,13 +183,11 @@ class Stream:
 
     def abort(self, error: BaseException) -> None:
         """Drop queued work and fail pending synchronize() calls with ``error``."""
-        self._error = error
         pending = [m for _, m in self._queue if m is not None]
         self._queue.clear()
         for marker in pending:
             if not marker.done():
                 marker.set_exception(error)
-        self._error = None
 
     async def close(self) -> None:
         self._closed = True

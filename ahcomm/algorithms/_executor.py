@@ -90,6 +90,7 @@ class Executor:
         h = self.half
         self._halves = [(buffers.ccl_in.array[p:p + h], buffers.ccl_out.array[p:p + h]) for p in (0, h)]
         self._unmapped = [link for link in links.values() if not link.mapped]
+        self._ctx: Context | None = None  # the run in progress (abort fails its local notifies)
 
     def _substreams(self, count: int) -> list[Stream]:
         while len(self.subs) < count:
@@ -118,7 +119,11 @@ class Executor:
             ctx = Context(call=call, topo=self.topo, links=self.links, src=s, dst=d,
                           ccl_in=ccl_in, ccl_out=ccl_out, half_offset=parity, main=self.main, subs=subs,
                           ufunc=ufunc, final=b == call.count)
-            await algorithm.orchestrate(ctx)
+            self._ctx = ctx
+            try:
+                await algorithm.orchestrate(ctx)
+            finally:
+                self._ctx = None
         for link in self._unmapped:
             await link.flush()
         self._report(call, communicated=True)
@@ -145,8 +150,11 @@ class Executor:
     async def close(self) -> None:
         for stream in (self.main, *self.subs):
             await stream.close()
+        self._halves = []  # drop our views of the CCL buffers so they can be unmapped
 
     def abort(self, error: BaseException) -> None:
+        if self._ctx is not None:
+            self._ctx.fail(error)
         self.progress.fail(error)
         for link in self.links.values():
             link.fail(error)

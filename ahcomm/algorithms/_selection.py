@@ -55,6 +55,11 @@ class Selector:
 
     def choose(self, call: Call, topo: Topology, override: str | None = None) -> Algorithm:
         name = override.lower() if override else self._from_env(call, topo)
+        if name is not None and not override and call.op not in self.env:
+            # The all-ops form names an algorithm for what it can serve; the rest keep the rule.
+            algorithm = self.registry.algorithms.get(name)
+            if algorithm is not None and not algorithm.select(call, topo):
+                return self._default(call, topo)
         if name is not None:
             algorithm = self.registry.algorithms.get(name)
             if algorithm is None or not algorithm.select(call, topo):

@@ -104,14 +104,25 @@ class Context:
         self.ufunc = ufunc
         self.final = final  # the last slice of this collective
         self._locals: dict[Hashable, Notify] = {}
-
+        self._error: BaseException | None = None
+        for stream in (main, *self.subs):
+            stream.on_error = self.fail  # a stream that fails must not leave the others waiting
     # -- notifies ---------------------------------------------------------------------------
     def local(self, key: Hashable) -> Notify:
         """A rank-local notify between this run's streams (created on first use)."""
         flag = self._locals.get(key)
         if flag is None:
             flag = self._locals[key] = Notify(f"local {key}")
+            if self._error is not None:
+                flag.fail(self._error)
         return flag
+
+    def fail(self, error: BaseException) -> None:
+        """Wake every stream of this run that waits on a local notify (a stream failed, or abort)."""
+        if self._error is None:
+            self._error = error
+            for flag in self._locals.values():
+                flag.fail(error)
 
     def post(self, stream: Stream, peer: int, signal: Signal, index: int = 0, value: int = 0) -> None:
         """Enqueue: set ``peer``'s flag (signal, index) for this collective, carrying ``value``."""
@@ -151,9 +162,15 @@ class Context:
         return region[offset:offset + nbytes].view(self.call.dtype)
 
     async def synchronize(self) -> None:
-        """Wait for the main stream and every sub-stream to drain."""
+        """Wait for the main stream and every sub-stream to drain; raise the first failure."""
+        first: BaseException | None = None
         for stream in (self.main, *self.subs):
-            await stream.synchronize()
+            try:
+                await stream.synchronize()
+            except Exception as exc:  # noqa: BLE001 - drain the others, then raise
+                first = first or exc
+        if first is not None:
+            raise first
 
 
 class Algorithm(ABC):

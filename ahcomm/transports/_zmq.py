@@ -76,6 +76,7 @@ class Channel:
         router, links, unpack = self.router, self.links, HEADER.unpack
         while router.getsockopt(zmq.EVENTS) & zmq.POLLIN:
             frames_left = True
+            link = None
             try:
                 ident = router.recv(zmq.NOBLOCK)
                 header = router.recv(zmq.NOBLOCK)  # a one-frame message raises Again here
@@ -92,8 +93,11 @@ class Channel:
             except zmq.Again:
                 self.rejected += 1
                 continue
-            except Exception:  # noqa: BLE001 - a bad message must not kill the reader
+            except Exception as exc:  # noqa: BLE001 - a bad message must not kill the reader
                 self.rejected += 1
+                if link is not None:  # a known peer broke the protocol: its waiters must hear of it
+                    link.fail(exc if isinstance(exc, TransportError) else TransportError(
+                        f"link {link.peer}->{self.rank}: {exc!r}"))
             if frames_left:
                 while router.getsockopt(zmq.RCVMORE):
                     router.recv(zmq.NOBLOCK)

@@ -40,6 +40,6 @@ class SdmaLink(MappedAccess, ZmqLink):
 
     def close(self) -> None:
         super().close()
-        self._remote = (self._regions[0].array[:0], self._regions[1].array[:0])
+        self._remote = (np.empty(0, np.uint8), np.empty(0, np.uint8))  # no view may keep the mapping
         for region in self._regions:
             region.close()

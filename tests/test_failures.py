@@ -1,0 +1,90 @@
+"""Failures end collectives on every rank with an error, never a hang (in process)."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+import ahcomm
+from ahcomm.transports import inproc
+
+
+async def close_all(comms: list[ahcomm.Comm]) -> None:
+    await asyncio.gather(*(c.close() for c in comms), return_exceptions=True)
+
+
+@pytest.mark.parametrize("algo", ["ring", "mesh"])
+async def test_exec_timeout_mid_collective_fails_fast_and_tells_the_peers(algo: str) -> None:
+    comms = await ahcomm.init_inprocess(3)
+    comms[0]._exec_timeout = 0.3
+    t0 = time.perf_counter()
+    fut = comms[0].all_reduce(np.ones(1 << 20, np.float32), algorithm=algo)  # ranks 1, 2 never join
+    with pytest.raises(ahcomm.CollectiveTimeout, match=r"all_reduce #0 on rank 0 did not complete within 0.3 s"):
+        await asyncio.wait_for(fut, 10)
+    assert time.perf_counter() - t0 < 5
+    with pytest.raises(ahcomm.CommClosedError, match="rank 0 aborted.*all_reduce #0 on rank 0 did not complete"):
+        comms[1].all_reduce(np.ones(4))  # the peers were told: they refuse at once
+    await close_all(comms)
+
+
+@pytest.mark.parametrize("algo", ["ring", "mesh"])
+async def test_peer_abort_mid_collective(algo: str) -> None:
+    comms = await ahcomm.init_inprocess(2)
+    fut = comms[0].all_reduce(np.ones(1 << 20, np.float32), algorithm=algo)
+    await asyncio.sleep(0.05)
+    comms[1].abort("stop")
+    with pytest.raises(ahcomm.PeerFailure, match=r"rank 1 aborted its communicator \(stop\)"):
+        await asyncio.wait_for(fut, 5)
+    await close_all(comms)
+
+
+async def test_failing_single_copy_read_fails_every_rank(monkeypatch: pytest.MonkeyPatch) -> None:
+    def broken(self: object, dst: np.ndarray, addr: int, run: object) -> None:
+        raise OSError(14, "simulated process_vm_readv failure")
+
+    monkeypatch.setattr(inproc.InprocLink, "read", broken)
+    comms = await ahcomm.init_inprocess(2)
+    futs = [c.all_gather(np.ones(1 << 20, np.float32), algorithm="mesh") for c in comms]
+    results = await asyncio.wait_for(asyncio.gather(*futs, return_exceptions=True), 5)
+    assert all(isinstance(r, (OSError, ahcomm.PeerFailure)) for r in results), results
+    await close_all(comms)
+
+
+@pytest.mark.parametrize("algo", ["ring", "mesh"])
+async def test_out_overlapping_the_input(algo: str) -> None:
+    n, m = 4, 8
+    comms = await ahcomm.init_inprocess(n)
+    xs = [np.arange(n * m, dtype=np.float64) + 100 * r for r in range(n)]
+    want = sum(xs).reshape(n, m)
+    outs = await asyncio.gather(*(c.reduce_scatter(xs[r], out=xs[r][r * m:(r + 1) * m], algorithm=algo)
+                                  for r, c in enumerate(comms)))
+    for r in range(n):
+        np.testing.assert_array_equal(outs[r], want[r])
+    await close_all(comms)
+
+
+async def test_all_ops_algo_setting_leaves_ops_it_cannot_serve_to_the_rule() -> None:
+    comms = await ahcomm.init_inprocess(2, algo="level0:ring")
+    await asyncio.wait_for(asyncio.gather(*(c.barrier() for c in comms)), 5)
+    await close_all(comms)
+    comms = await ahcomm.init_inprocess(2, algo="barrier=level0:ring")
+    with pytest.raises(ahcomm.InvalidArgument, match="AHCOMM_ALGO'ring' cannot run barrier.*dissemination"):
+        comms[0].barrier()
+    await close_all(comms)
+
+
+def test_asyncio_run_returns_with_a_collective_in_flight() -> None:
+    script = ("import asyncio, numpy as np, ahcomm\n"
+              "async def main():\n"
+              "    comms = await ahcomm.init_inprocess(2)\n"
+              "    comms[0].all_reduce(np.ones(1 << 16, np.float32), algorithm='ring')\n"
+              "    await asyncio.sleep(0.1)\n"
+              "asyncio.run(main())\n"
+              "print('returned')\n")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and "returned" in proc.stdout, proc.stderr
