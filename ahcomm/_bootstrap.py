@@ -84,7 +84,8 @@ async def create(config: Config | None = None, *, rank: int | None = None, world
         buffers.close()
         raise
     kinds = tuple("self" if p == rank else links[p].kind for p in range(size))
-    topo = Topology(rank=rank, size=size, hosts=hosts, link_kinds=kinds)
+    topo = Topology(rank=rank, size=size, hosts=hosts, link_kinds=kinds,
+                    all_mapped=all(link.mapped for link in links.values()))
 
     async def on_close() -> None:
         if channel is not None:
@@ -167,7 +168,8 @@ async def create_inprocess(size: int, *, buffsize: int | None = None, algo: str 
         progress = Progress(r, size)
         links: dict[int, Link] = dict(world.connect(r, progress.reached))
         kinds = tuple("self" if p == r else "inproc" for p in range(size))
-        topo = Topology(rank=r, size=size, hosts=("inproc",) * size, link_kinds=kinds, single_copy=cfg.single_copy)
+        topo = Topology(rank=r, size=size, hosts=("inproc",) * size, link_kinds=kinds, all_mapped=True,
+                        single_copy=cfg.single_copy)
         comms.append(Comm(rank=r, size=size, links=links, buffers=world.buffers[r], topo=topo, progress=progress,
                           selector=Selector(REGISTRY, algo), exec_timeout=cfg.exec_timeout))
     return comms

@@ -54,9 +54,6 @@ class Comm:
         self.rank = rank
         self.size = size
         self.topology = topo
-        self._links = links
-        self._buffers = buffers
-        self._progress = progress
         self._selector = selector
         self._executor = Executor(rank, size, links, buffers, topo, progress)
         self._exec_timeout = exec_timeout
@@ -70,8 +67,7 @@ class Comm:
         self._running: _Job | None = None  # the collective the executor is running
         self._started = 0.0  # loop time it started
         self._watchdog: asyncio.TimerHandle | None = None
-        for link in links.values():
-            link.on_abort = self._peer_aborted
+        self._executor.on_peer_abort(self._peer_aborted)
 
     def __repr__(self) -> str:
         return f"<ahcomm.Comm rank={self.rank} size={self.size} seq={self._seq}>"
@@ -274,8 +270,7 @@ class Comm:
         self._error = error
         self._executor.abort(error)
         if tell_peers is not None:
-            for link in self._links.values():
-                link.send_abort(tell_peers)
+            self._executor.tell_peers(tell_peers)
         while self._queue:
             job = self._queue.popleft()
             if not job.future.done():
@@ -290,7 +285,7 @@ class Comm:
     def stats(self) -> dict[str, Any]:
         """Per-link counters: kind and bytes moved (what went over sdma vs rdma)."""
         return {"rank": self.rank, "size": self.size, "seq": self._seq,
-                "links": {peer: link.stats() for peer, link in self._links.items()}}
+                "links": self._executor.link_stats()}
 
     def abort(self, reason: str = "aborted") -> None:
         """Fail every pending and later collective here at once, and tell every peer."""

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import enum
-from typing import Callable
-
 import numpy as np
 
 from ._errors import InvalidArgument, InvalidDtype
@@ -42,8 +40,6 @@ class ReduceOp(enum.Enum):
         names = ", ".join(o.value for o in cls)
         raise InvalidArgument(f"unknown reduce op {op!r}; expected one of: {names}")
 
-
-Kernel = Callable[..., object]
 
 _UFUNC: dict[ReduceOp, np.ufunc] = {
     ReduceOp.SUM: np.add,

@@ -12,14 +12,13 @@ from collections import deque
 
 
 class Notify:
-    __slots__ = ("name", "_value", "_waiters", "_error", "posts", "overruns")
+    __slots__ = ("name", "_value", "_waiters", "_error", "overruns")
 
     def __init__(self, name: str = "notify") -> None:
         self.name = name
         self._value = 0
         self._waiters: deque[asyncio.Future[None]] = deque()
         self._error: BaseException | None = None
-        self.posts = 0  # how many times post() was called
         self.overruns = 0  # posts that found the flag already at 1 (a protocol smell)
 
     @property
@@ -28,7 +27,6 @@ class Notify:
 
     def post(self) -> None:
         """Set the flag; hand it straight to the oldest waiter if one is blocked."""
-        self.posts += 1
         while self._waiters:
             fut = self._waiters.popleft()
             if not fut.done():

@@ -11,6 +11,7 @@ the others (broadcast, empty calls) the executor tells each peer where it stands
 from __future__ import annotations
 
 import asyncio
+from typing import Any, Callable
 
 import numpy as np
 
@@ -151,6 +152,19 @@ class Executor:
         for stream in (self.main, *self.subs):
             await stream.close()
         self._halves = []  # drop our views of the CCL buffers so they can be unmapped
+
+    def on_peer_abort(self, handler: Callable[[int, str], None]) -> None:
+        """Call ``handler(peer, reason)`` when a peer aborts."""
+        for link in self.links.values():
+            link.on_abort = handler
+
+    def tell_peers(self, reason: str) -> None:
+        """Tell every peer that this rank aborted (best effort)."""
+        for link in self.links.values():
+            link.send_abort(reason)
+
+    def link_stats(self) -> dict[int, dict[str, Any]]:
+        return {peer: link.stats() for peer, link in self.links.items()}
 
     def abort(self, error: BaseException) -> None:
         if self._ctx is not None:

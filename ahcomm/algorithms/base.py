@@ -64,11 +64,8 @@ class Topology:
     size: int
     hosts: tuple[str, ...]  # host identity of every rank
     link_kinds: tuple[str, ...]  # kind of the link to every rank ("self" for this rank)
+    all_mapped: bool = False  # every link maps its peer's CCL buffers (Link.mapped)
     single_copy: bool = False  # every rank can read every peer's memory (agreed at init)
-
-    @cached_property
-    def all_mapped(self) -> bool:
-        return all(k in ("self", "sdma", "inproc") for k in self.link_kinds)
 
     @cached_property
     def servers(self) -> int:

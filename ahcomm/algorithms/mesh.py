@@ -32,7 +32,9 @@ DIRECT_BYTES = 32 * 1024  # all_reduce below this: every rank reduces the whole 
 # staging wins because it needs no closing Ack round).
 SINGLE_COPY_BYTES = {"all_gather": 256 << 10, "all_reduce": 256 << 10, "broadcast": 4 << 20}
 SCRATCH_BYTES = 1 << 20  # piece of a peer's share pulled into cache before it is reduced
-SC_DATA, SC_RESULT, SC_DONE = 2, 3, 2  # notify indexes of the single-copy protocol
+# Notify indexes of the single-copy protocol (0 and 1 belong to the staged one): DataSignal
+# 2 carries the input's address, DataSignal 3 the result's; Ack 2 says "done reading yours".
+SC_DATA, SC_RESULT, SC_DONE = 2, 3, 2
 SPLIT_BYTES = 4 << 20  # reads at least this big are cut in two, one half per copy engine
 
 Job = Callable[[Stream], None]

@@ -137,8 +137,6 @@ class Ring(Algorithm):
                 sends.append((src[send_b, a:b] if s == 0 else partial[s - 1][a:b], ("rx", s - 1, a) if s else None))
                 recvs.append((out[a:b], src[recv_b, a:b], ("rx", s, a)))
             partial.append(out)
-        if n == 1:
-            ctx.main.copy(dst, src[0])
         await ring_pass(ctx, sends, recvs)
 
     async def _broadcast(self, ctx: Context) -> None:

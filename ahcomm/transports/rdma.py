@@ -16,7 +16,7 @@ import zmq
 
 from .._errors import TransportError
 from ._zmq import MSG_DATA_ACK, MSG_PUT, Channel, ZmqLink, buffer_name
-from .base import MemoryRunner, ProgressHook, as_bytes
+from .base import BUFFER_IDS, MemoryRunner, ProgressHook, as_bytes
 
 PUT_CHUNK = 4 << 20
 
@@ -35,7 +35,7 @@ class RdmaLink(ZmqLink):
         if self._error is not None:
             raise self._error
         data = as_bytes(src)
-        buf_id = 0 if buf == "in" else 1
+        buf_id = BUFFER_IDS[buf]
         for start in range(0, max(data.nbytes, 1), PUT_CHUNK):
             piece = data[start:start + PUT_CHUNK]
             self._send(MSG_PUT, buf_id, 0, seq, piece.nbytes, offset + start, piece)
