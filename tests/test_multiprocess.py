@@ -103,3 +103,20 @@ def test_bench_cli_small_sweep(tmp_path: Path) -> None:
     doc = json.loads(out.read_text())
     assert doc["tool"] == "ahcomm" and [row["size"] for row in doc["rows"]] == [8, 512, 32768, 262144]
     assert all(row["wrong"] == 0 and row["busbw"] > 0 for row in doc["rows"])
+
+
+def test_launcher_stops_the_job_when_a_rank_is_killed_mid_collective(tmp_path: Path) -> None:
+    script = tmp_path / "killed.py"
+    script.write_text(
+        "import asyncio, os, signal, numpy as np, ahcomm\n"
+        "async def main():\n"
+        "    comm = await ahcomm.init()\n"
+        "    for i in range(1000):\n"
+        "        if comm.rank == 1 and i == 20:\n"
+        "            os.kill(os.getpid(), signal.SIGKILL)\n"
+        "        await comm.all_reduce(np.ones(1000))\n"
+        "asyncio.run(main())\n"
+    )
+    proc = launch(3, str(script), timeout=60)
+    assert proc.returncode == 128 + 9, proc.stdout + proc.stderr
+    assert "ahcomm-run: rank 1 was killed by signal 9; stopping the other ranks" in proc.stderr
