@@ -159,7 +159,7 @@ class Comm:
         dst = result.reshape(-1) if result.flags.c_contiguous else np.empty(result.size, dtype)
         if inplace:
             src = dst
-        elif np.may_share_memory(result, arr):  # out overlaps x without being x: read a copy
+        elif out is not None and np.may_share_memory(result, arr):  # out overlaps x: read a copy
             src = arr.reshape(-1).copy()
         else:
             src = np.ascontiguousarray(arr).reshape(-1)

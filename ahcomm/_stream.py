@@ -156,6 +156,11 @@ class Stream:
         if self.on_error is not None:
             self.on_error(exc)
 
+    @property
+    def settled(self) -> bool:
+        """Nothing queued, nothing running, no failure to report: synchronize() would return at once."""
+        return not self._queue and not self._busy and self._error is None
+
     async def synchronize(self) -> None:
         """Wait until every task submitted so far has run; raise the first failure, if any."""
         if self.inline:

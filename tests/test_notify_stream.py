@@ -157,3 +157,23 @@ async def test_large_copies_leave_the_event_loop_responsive() -> None:
     assert len(during) >= 2, f"the ticker ran {len(during)} times during {end - start:.3f} s of copies"
     assert gaps.max() < 0.25, gaps.max()
     await s.close()
+
+
+async def test_progress_low_water_mark() -> None:
+    from ahcomm.algorithms._executor import Progress
+
+    p = Progress(rank=0, size=3)
+    assert p.low() == -1
+    p.reached(1, 5)  # peer 1 started #5: it finished #4; peer 2 is still unknown
+    assert p.low() == -1
+    waiter = asyncio.ensure_future(p.wait_all(2))
+    await asyncio.sleep(0)
+    assert not waiter.done()
+    p.reached(2, 3)
+    await asyncio.wait_for(waiter, 1)
+    assert p.low() == 2 and p.finished == [-1, 4, 2]
+    p.all_started(10)
+    assert p.low() == 9 and p.finished == [9, 9, 9]
+    p.reached(1, 4)  # old news changes nothing
+    assert p.low() == 9
+    assert Progress(rank=0, size=1).low() > 1 << 40  # no peers: never waits

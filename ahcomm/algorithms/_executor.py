@@ -29,22 +29,29 @@ class Progress:
     def __init__(self, rank: int, size: int) -> None:
         self.rank = rank
         self.finished = [-1] * size
+        self._low = -1 if size > 1 else 1 << 62  # min of finished[] over the peers, kept current
         self._waiters: list[tuple[int, asyncio.Future[None]]] = []
 
     def reached(self, peer: int, seq: int) -> None:
         """``peer`` has started collective ``seq`` (so it finished ``seq - 1``)."""
         if seq - 1 > self.finished[peer]:
+            old = self.finished[peer]
             self.finished[peer] = seq - 1
-            self._wake()
+            if old == self._low:
+                self._low = min((f for p, f in enumerate(self.finished) if p != self.rank), default=1 << 62)
+                self._wake()
 
     def all_started(self, seq: int) -> None:
-        for peer in range(len(self.finished)):
-            if seq - 1 > self.finished[peer]:
-                self.finished[peer] = seq - 1
-        self._wake()
+        if seq - 1 > self._low:
+            for peer in range(len(self.finished)):
+                if seq - 1 > self.finished[peer]:
+                    self.finished[peer] = seq - 1
+            if len(self.finished) > 1:
+                self._low = seq - 1
+            self._wake()
 
     def low(self) -> int:
-        return min((f for p, f in enumerate(self.finished) if p != self.rank), default=1 << 62)
+        return self._low
 
     async def wait_all(self, seq: int) -> None:
         """Until every peer has finished collective ``seq``."""

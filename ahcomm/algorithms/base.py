@@ -162,6 +162,8 @@ class Context:
         """Wait for the main stream and every sub-stream to drain; raise the first failure."""
         first: BaseException | None = None
         for stream in (self.main, *self.subs):
+            if stream.settled:
+                continue
             try:
                 await stream.synchronize()
             except Exception as exc:  # noqa: BLE001 - drain the others, then raise
