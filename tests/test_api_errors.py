@@ -105,9 +105,9 @@ async def test_abort_reaches_the_peers() -> None:
     for fut in waiting:
         with pytest.raises(ahcomm.PeerFailure, match="rank 0 aborted its communicator \\(operator pressed stop\\)"):
             await fut
-    assert comms[1].all_reduce is not None
-    with pytest.raises(ahcomm.CommClosedError, match="failed earlier"):
-        comms[2].all_reduce(np.ones(4))
+    for late in comms[1:]:  # later calls on the peers refuse at once, naming the abort
+        with pytest.raises(ahcomm.CommClosedError, match="failed earlier: rank 0 aborted"):
+            late.all_reduce(np.ones(4))
     await asyncio_gather_close(comms)
 
 

@@ -22,6 +22,11 @@ def launch(n: int, *program: str, env: dict[str, str] | None = None, timeout: fl
     return subprocess.run(argv, env=full_env, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
 
 
+def shm_names() -> set[str]:
+    """ahcomm's shared-memory names on this host (each is unlinked once every peer mapped it)."""
+    return {p.name for p in Path("/dev/shm").glob("ahcomm-*")}
+
+
 def cma_works() -> bool:
     """Whether this machine lets one process read another's memory (process_vm_readv)."""
     from ahcomm.transports import _cma
@@ -42,8 +47,10 @@ def cma_works() -> bool:
 def test_collectives_on_real_transports(n: int, transport: str) -> None:
     single = transport == "sdma" and cma_works()
     env = {"AHCOMM_TRANSPORT": transport, "EXPECT_LINK": transport, "EXPECT_SINGLE_COPY": "1" if single else "0"}
+    before = shm_names()
     proc = launch(n, str(HERE / "mp_worker.py"), env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert shm_names() == before, "shared-memory names were left behind"
     for rank in range(n):
         assert f"[{rank}] OK rank {rank}/{n} {transport} single_copy={single}" in proc.stdout, proc.stdout + proc.stderr
 

@@ -96,7 +96,8 @@ class Executor:
         self.main = Stream("main", inline=True)
         self.subs: list[Stream] = []
         h = self.half
-        self._halves = [(buffers.ccl_in.array[p:p + h], buffers.ccl_out.array[p:p + h]) for p in (0, h)]
+        # (offset, CCL_In half, CCL_Out half) used by collectives of even and of odd sequence number
+        self._halves = [(p, buffers.ccl_in.array[p:p + h], buffers.ccl_out.array[p:p + h]) for p in (0, h)]
         self._unmapped = [link for link in links.values() if not link.mapped]
         self._ctx: Context | None = None  # the run in progress (abort fails its local notifies)
 
@@ -119,8 +120,7 @@ class Executor:
         res = algorithm.resources(call, self.topo, self.half)
         subs = self._substreams(res.substreams)
         step = max(1, res.max_count or call.count)
-        ccl_in, ccl_out = self._halves[call.seq & 1]
-        parity = (call.seq & 1) * self.half
+        parity, ccl_in, ccl_out = self._halves[call.seq & 1]
         for a in range(0, max(call.count, 1), step):
             b = min(a + step, call.count)
             s, d = self._views(call, src, dst, a, b, inplace)

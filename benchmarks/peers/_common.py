@@ -79,6 +79,21 @@ def actual_size(op: str, chunk: int, n: int) -> int:
     return chunk * ELEM * (n if op in ("all_gather", "reduce_scatter") else 1)
 
 
+def cases(ops: str, minbytes: int, maxbytes: int, factor: int, n: int) -> Iterator[tuple[str, int, int, int, int]]:
+    """(op, chunk, size, input elements, output elements) for every op and distinct swept size."""
+    for op in [o for o in ops.split(",") if o]:
+        seen: set[int] = set()
+        for req in sizes(minbytes, maxbytes, factor):
+            chunk = elems_per_rank(op, req, n)
+            size = actual_size(op, chunk, n)
+            if size in seen:
+                continue
+            seen.add(size)
+            nin = chunk * n if op == "reduce_scatter" else chunk
+            nout = chunk * n if op == "all_gather" else chunk
+            yield op, chunk, size, nin, nout
+
+
 def bus_factor(op: str, n: int) -> float:
     """nccl-tests busbw factor."""
     if op == "all_reduce":

@@ -83,54 +83,45 @@ def rank_main(rank: int, n: int, port: int, args: Any) -> None:
     rows: list[dict[str, Any]] = []
     if rank == 0:
         C.print_header(f"gloo (torch {torch.__version__})", n)
-    for op in [o for o in args.ops.split(",") if o]:
-        seen: set[int] = set()
-        for req in C.sizes(args.minbytes, args.maxbytes, args.stepfactor):
-            chunk = C.elems_per_rank(op, req, n)
-            size = C.actual_size(op, chunk, n)
-            if size in seen:
-                continue
-            seen.add(size)
-            nin = chunk * n if op == "reduce_scatter" else chunk
-            nout = chunk * n if op == "all_gather" else chunk
-            send = torch.empty(nin, dtype=torch.float32).fill_(0.0)  # touch pages now
-            recv = send if op in ("all_reduce", "broadcast") else \
-                torch.empty(nout, dtype=torch.float32).fill_(0.0)
-            want = C.expected(op, rank, n, chunk)
-            note, call, dt = "", None, 0.0
-            for note, cand in candidates(op, send, recv, n):
-                send.copy_(torch.from_numpy(C.check_input(op, rank, n, chunk)))
-                dist.barrier()
-                try:
-                    t = time.perf_counter()
-                    cand()
-                    dt = time.perf_counter() - t
-                except (RuntimeError, NotImplementedError, ValueError, AttributeError):
-                    continue
-                call = cand
-                break
-            if call is None:
-                raise SystemExit(f"gloo: no working implementation of {op}")
-            wrong = int(np.count_nonzero(recv.numpy() != want))
-            if op == "all_reduce":
-                send.fill_(0.0)  # repeated in-place sums stay 0
-            for _ in range(args.warmup_iters):
-                t = time.perf_counter()
-                call()
-                dt = time.perf_counter() - t
-            iters = C.timed_iters(reduce(dt, dist.ReduceOp.MAX), args.iters, args.max_seconds)
+    for op, chunk, size, nin, nout in C.cases(args.ops, args.minbytes, args.maxbytes, args.stepfactor, n):
+        send = torch.empty(nin, dtype=torch.float32).fill_(0.0)  # touch pages now
+        recv = send if op in ("all_reduce", "broadcast") else \
+            torch.empty(nout, dtype=torch.float32).fill_(0.0)
+        want = C.expected(op, rank, n, chunk)
+        note, call, dt = "", None, 0.0
+        for note, cand in candidates(op, send, recv, n):
+            send.copy_(torch.from_numpy(C.check_input(op, rank, n, chunk)))
             dist.barrier()
-            t0 = time.perf_counter()
-            for _ in range(iters):
-                call()
-            per_op = (time.perf_counter() - t0) / iters
-            mean_us = reduce(per_op) / n * 1e6
-            wrong = int(reduce(float(wrong)))
-            if rank == 0:
-                row = C.make_row(op, size, n, mean_us, wrong, iters, note)
-                rows.append(row)
-                C.print_row(row)
-            del send, recv
+            try:
+                t = time.perf_counter()
+                cand()
+                dt = time.perf_counter() - t
+            except (RuntimeError, NotImplementedError, ValueError, AttributeError):
+                continue
+            call = cand
+            break
+        if call is None:
+            raise SystemExit(f"gloo: no working implementation of {op}")
+        wrong = int(np.count_nonzero(recv.numpy() != want))
+        if op == "all_reduce":
+            send.fill_(0.0)  # repeated in-place sums stay 0
+        for _ in range(args.warmup_iters):
+            t = time.perf_counter()
+            call()
+            dt = time.perf_counter() - t
+        iters = C.timed_iters(reduce(dt, dist.ReduceOp.MAX), args.iters, args.max_seconds)
+        dist.barrier()
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            call()
+        per_op = (time.perf_counter() - t0) / iters
+        mean_us = reduce(per_op) / n * 1e6
+        wrong = int(reduce(float(wrong)))
+        if rank == 0:
+            row = C.make_row(op, size, n, mean_us, wrong, iters, note)
+            rows.append(row)
+            C.print_row(row)
+        del send, recv
     if rank == 0:
         C.write_json(args.json, "gloo", n, rows, {"version": f"torch {torch.__version__}"})
     dist.barrier()

@@ -60,67 +60,57 @@ def run_rank(args: Any) -> None:
 
     comm = MPI.COMM_WORLD
     rank, n = comm.Get_rank(), comm.Get_size()
-    ops = [o for o in args.ops.split(",") if o]
     rows: list[dict[str, Any]] = []
     version = MPI.Get_library_version().splitlines()[0].strip("\x00 \n")
     if rank == 0:
         C.print_header(f"mpi ({version})", n)
-    for op in ops:
-        seen: set[int] = set()
-        for req in C.sizes(args.minbytes, args.maxbytes, args.stepfactor):
-            chunk = C.elems_per_rank(op, req, n)
-            size = C.actual_size(op, chunk, n)
-            if size in seen:
-                continue
-            seen.add(size)
-            nin = chunk * n if op == "reduce_scatter" else chunk
-            nout = chunk * n if op == "all_gather" else chunk
-            send = np.empty(nin, dtype=np.float32)
-            send.fill(0.0)  # touch every page before timing
-            if op == "broadcast" or (op == "all_reduce" and not args.out_of_place):
-                recv = send
-            else:
-                recv = np.empty(nout, dtype=np.float32)
-                recv.fill(0.0)
-            call: Callable[[], None]
-            if op == "all_reduce" and recv is send:
-                call = lambda: comm.Allreduce(MPI.IN_PLACE, recv, op=MPI.SUM)  # noqa: E731
-            elif op == "all_reduce":
-                call = lambda: comm.Allreduce(send, recv, op=MPI.SUM)  # noqa: E731
-            elif op == "all_gather":
-                call = lambda: comm.Allgather(send, recv)  # noqa: E731
-            elif op == "reduce_scatter":
-                call = lambda: comm.Reduce_scatter_block(send, recv, op=MPI.SUM)  # noqa: E731
-            elif op == "broadcast":
-                call = lambda: comm.Bcast(send, root=0)  # noqa: E731
-            else:
-                raise SystemExit(f"unknown op {op}")
-            # correctness: one call with known inputs
-            send[:] = C.check_input(op, rank, n, chunk)
-            comm.Barrier()
+    for op, chunk, size, nin, nout in C.cases(args.ops, args.minbytes, args.maxbytes, args.stepfactor, n):
+        send = np.empty(nin, dtype=np.float32)
+        send.fill(0.0)  # touch every page before timing
+        if op == "broadcast" or (op == "all_reduce" and not args.out_of_place):
+            recv = send
+        else:
+            recv = np.empty(nout, dtype=np.float32)
+            recv.fill(0.0)
+        call: Callable[[], None]
+        if op == "all_reduce" and recv is send:
+            call = lambda: comm.Allreduce(MPI.IN_PLACE, recv, op=MPI.SUM)  # noqa: E731
+        elif op == "all_reduce":
+            call = lambda: comm.Allreduce(send, recv, op=MPI.SUM)  # noqa: E731
+        elif op == "all_gather":
+            call = lambda: comm.Allgather(send, recv)  # noqa: E731
+        elif op == "reduce_scatter":
+            call = lambda: comm.Reduce_scatter_block(send, recv, op=MPI.SUM)  # noqa: E731
+        elif op == "broadcast":
+            call = lambda: comm.Bcast(send, root=0)  # noqa: E731
+        else:
+            raise SystemExit(f"unknown op {op}")
+        # correctness: one call with known inputs
+        send[:] = C.check_input(op, rank, n, chunk)
+        comm.Barrier()
+        t = time.perf_counter()
+        call()
+        dt = time.perf_counter() - t
+        wrong = int(np.count_nonzero(recv != C.expected(op, rank, n, chunk)))
+        if recv is send and op == "all_reduce":
+            send.fill(0.0)  # repeated in-place sums stay 0 (no overflow to inf)
+        for _ in range(args.warmup_iters):
             t = time.perf_counter()
             call()
             dt = time.perf_counter() - t
-            wrong = int(np.count_nonzero(recv != C.expected(op, rank, n, chunk)))
-            if recv is send and op == "all_reduce":
-                send.fill(0.0)  # repeated in-place sums stay 0 (no overflow to inf)
-            for _ in range(args.warmup_iters):
-                t = time.perf_counter()
-                call()
-                dt = time.perf_counter() - t
-            iters = C.timed_iters(comm.allreduce(dt, op=MPI.MAX), args.iters, args.max_seconds)
-            comm.Barrier()
-            t0 = time.perf_counter()
-            for _ in range(iters):
-                call()
-            per_op = (time.perf_counter() - t0) / iters
-            mean_us = comm.allreduce(per_op, op=MPI.SUM) / n * 1e6
-            wrong = comm.allreduce(wrong, op=MPI.SUM)
-            if rank == 0:
-                row = C.make_row(op, size, n, mean_us, wrong, iters)
-                rows.append(row)
-                C.print_row(row)
-            del send, recv
+        iters = C.timed_iters(comm.allreduce(dt, op=MPI.MAX), args.iters, args.max_seconds)
+        comm.Barrier()
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            call()
+        per_op = (time.perf_counter() - t0) / iters
+        mean_us = comm.allreduce(per_op, op=MPI.SUM) / n * 1e6
+        wrong = comm.allreduce(wrong, op=MPI.SUM)
+        if rank == 0:
+            row = C.make_row(op, size, n, mean_us, wrong, iters)
+            rows.append(row)
+            C.print_row(row)
+        del send, recv
     if rank == 0:
         C.write_json(args.json, "mpi", n, rows,
                      {"version": version,
