@@ -18,6 +18,7 @@ from typing import Any, Awaitable, Callable
 import numpy as np
 
 from ._buffers import CclBuffers
+from ._collectives import BlockedCollectives
 from ._dtypes import ReduceOp, check_dtype, check_reduce, finish_avg, ufunc_for
 from ._errors import CollectiveTimeout, CommClosedError, InvalidArgument, PeerFailure, UsageError
 from .algorithms._executor import Executor, Progress
@@ -29,12 +30,14 @@ from .transports.base import Link
 @dataclass(slots=True)
 class _Job:
     call: Call
-    algorithm: Algorithm
+    algorithm: Algorithm | None  # None until ``prepare`` has run (it chooses)
     src: np.ndarray  # flat, contiguous
     dst: np.ndarray  # flat, contiguous (may be src itself)
-    result: np.ndarray  # what the caller gets back
+    result: Any  # what the caller gets back (an array, a Gathered, or None)
     finish: Callable[[], None] | None  # after the run: avg division, copy to a strided out
     future: asyncio.Future[Any]
+    prepare: Callable[["_Job"], None] | None = None  # fills the job in when its turn comes
+    override: str | None = None  # the per-call algorithm= (for a job prepared later)
 
 
 def _as_array(x: Any, what: str) -> np.ndarray:
@@ -45,7 +48,7 @@ def _as_array(x: Any, what: str) -> np.ndarray:
     raise InvalidArgument(f"{what} must be a numpy array (or expose __array__), got {type(x).__name__}")
 
 
-class Comm:
+class Comm(BlockedCollectives):
     """A group of ranks that run collectives together."""
 
     def __init__(self, *, rank: int, size: int, links: dict[int, Link], buffers: CclBuffers,
@@ -129,7 +132,9 @@ class Comm:
     def barrier(self) -> "asyncio.Future[None]":
         """Wait until every rank has entered the barrier."""
         self._check_open()
-        return self._issue("barrier", np.empty(0, np.uint8), (0,), 0, None)  # type: ignore[return-value]
+        call = Call(op="barrier", seq=self._seq, dtype=np.dtype(np.uint8), count=0)
+        empty = np.empty(0, np.uint8)
+        return self._submit(call, empty, empty, None, None, None)
 
     # -- plumbing ---------------------------------------------------------------------------
     def _check_open(self) -> None:
@@ -150,7 +155,6 @@ class Comm:
     def _issue(self, op: str, arr: np.ndarray, shape: tuple[int, ...], count: int, out: np.ndarray | None, *,
                redop: ReduceOp | None = None, root: int = 0,
                algorithm: str | None = None) -> "asyncio.Future[Any]":
-        loop = asyncio.get_running_loop()
         dtype = arr.dtype
         result = self._output(op, out, shape, dtype)
         inplace = result is arr and arr.flags.c_contiguous
@@ -164,15 +168,34 @@ class Comm:
         else:
             src = np.ascontiguousarray(arr).reshape(-1)
         call = Call(op=op, seq=self._seq, dtype=dtype, count=count, redop=redop, root=int(root))
-        chosen = self._selector.choose(call, self.topology, algorithm)
+        return self._submit(call, src, dst, result, self._finisher(call, dst, result), algorithm)
+
+    def _submit(self, call: Call, src: np.ndarray, dst: np.ndarray, result: Any,
+                finish: Callable[[], None] | None, algorithm: str | None, *,
+                prepare: Callable[[_Job], None] | None = None, later: bool = False) -> "asyncio.Future[Any]":
+        """Queue ``call`` (its ``seq`` is the next sequence number) and return its future.
+
+        ``prepare(job)`` fills in the job's arrays and counts: at once, or with ``later``
+        when the worker reaches the job, once every earlier collective (a count exchange)
+        is done. The algorithm is chosen once the job is complete.
+        """
+        assert call.seq == self._seq
+        job = _Job(call, None, src, dst, result, finish, asyncio.get_running_loop().create_future(),
+                   prepare if later else None, algorithm)
+        if not later:
+            if prepare is not None:
+                prepare(job)
+            job.algorithm = self._selector.choose(call, self.topology, algorithm)
         self._seq += 1
-        job = _Job(call, chosen, src, dst, result, self._finisher(call, dst, result), loop.create_future())
+        self._enqueue(job)
+        return job.future
+
+    def _enqueue(self, job: _Job) -> None:
         self._queue.append(job)
         if self._worker is None:
-            self._worker = loop.create_task(self._work(), name=f"ahcomm-comm-{self.rank}")
+            self._worker = asyncio.get_running_loop().create_task(self._work(), name=f"ahcomm-comm-{self.rank}")
         elif self._wakeup is not None and not self._wakeup.done():
             self._wakeup.set_result(None)
-        return job.future
 
     def _output(self, op: str, out: np.ndarray | None, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
         if out is None:
@@ -222,9 +245,13 @@ class Comm:
                 self._collective_failed(job, exc)
             else:
                 if not job.future.done():
-                    job.future.set_result(None if job.call.op == "barrier" else job.result)
+                    job.future.set_result(job.result)
 
     async def _run(self, job: _Job) -> None:
+        if job.prepare is not None:
+            job.prepare(job)
+            job.algorithm = self._selector.choose(job.call, self.topology, job.override)
+        assert job.algorithm is not None
         call = job.call
         ufunc = ufunc_for(call.redop, call.dtype) if call.redop is not None else None
         loop = asyncio.get_running_loop()

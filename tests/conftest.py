@@ -5,13 +5,17 @@ from __future__ import annotations
 import asyncio
 from typing import Any, Awaitable, Callable
 
+import ml_dtypes
 import numpy as np
 import pytest
 
 import ahcomm
+from ahcomm._dtypes import ML_FLOAT_DTYPES
 
-REDUCE_UFUNCS = {"sum": np.add, "prod": np.multiply, "max": np.maximum, "min": np.minimum, "avg": np.add}
-BOOL_UFUNCS = {"sum": np.logical_or, "prod": np.logical_and, "max": np.logical_or, "min": np.logical_and}
+REDUCE_UFUNCS = {"sum": np.add, "prod": np.multiply, "max": np.maximum, "min": np.minimum, "avg": np.add,
+                 "band": np.bitwise_and, "bor": np.bitwise_or, "bxor": np.bitwise_xor}
+BOOL_UFUNCS = {"sum": np.logical_or, "prod": np.logical_and, "max": np.logical_or, "min": np.logical_and,
+               "band": np.logical_and, "bor": np.logical_or, "bxor": np.logical_xor}
 
 
 async def run_inproc(size: int, body: Callable[[ahcomm.Comm], Awaitable[Any]], *, buffsize: int = 1 << 16,
@@ -38,7 +42,10 @@ def reduce_ref(xs: list[np.ndarray], op: str) -> np.ndarray:
 
 def assert_close(got: np.ndarray, want: np.ndarray) -> None:
     assert got.shape == want.shape and got.dtype == want.dtype, (got.shape, got.dtype, want.shape, want.dtype)
-    if got.dtype.kind == "f":
+    if got.dtype in ML_FLOAT_DTYPES:  # bfloat16, float8_*: compare in float32, within one ulp of the type
+        tol = float(ml_dtypes.finfo(got.dtype).eps)
+        np.testing.assert_allclose(got.astype(np.float32), want.astype(np.float32), rtol=tol, atol=tol)
+    elif got.dtype.kind == "f":
         tol = 1e-2 if got.dtype.itemsize == 2 else 1e-5
         np.testing.assert_allclose(got, want, rtol=tol, atol=tol)
     else:

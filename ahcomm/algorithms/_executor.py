@@ -18,7 +18,7 @@ import numpy as np
 from .._buffers import CclBuffers
 from .._stream import Stream
 from ..transports.base import Link
-from .base import ALIGN, Algorithm, Call, Context, Topology
+from .base import ALIGN, WHOLE, Algorithm, Call, Context, Topology
 
 ALL_DEPENDENT = frozenset({"all_reduce", "all_gather", "reduce_scatter", "barrier"})
 
@@ -100,6 +100,14 @@ class Executor:
         self._halves = [(p, buffers.ccl_in.array[p:p + h], buffers.ccl_out.array[p:p + h]) for p in (0, h)]
         self._unmapped = [link for link in links.values() if not link.mapped]
         self._ctx: Context | None = None  # the run in progress (abort fails its local notifies)
+        self._scratch = np.empty(0, np.uint8)
+
+    def scratch(self, nbytes: int) -> np.ndarray:
+        """The reusable scratch region, at least ``nbytes`` long (pre-faulted when it grows)."""
+        if self._scratch.nbytes < nbytes:
+            self._scratch = np.empty(max(nbytes, 2 * self._scratch.nbytes), np.uint8)
+            self._scratch.fill(0)
+        return self._scratch
 
     def _substreams(self, count: int) -> list[Stream]:
         while len(self.subs) < count:
@@ -110,7 +118,7 @@ class Executor:
                   ufunc: np.ufunc | None) -> None:
         """Run ``call``; ``src``/``dst`` are flat, contiguous, of the call's dtype (may be one array)."""
         inplace = src is dst
-        if self.size == 1 or (call.count == 0 and call.op != "barrier"):
+        if self.size == 1 or (call.empty and call.op != "barrier"):
             if not inplace and src.size == dst.size:
                 np.copyto(dst, src)
             self._report(call, communicated=False)
@@ -119,14 +127,14 @@ class Executor:
             await self.progress.wait_all(call.seq - 2)
         res = algorithm.resources(call, self.topo, self.half)
         subs = self._substreams(res.substreams)
-        step = max(1, res.max_count or call.count)
+        step = max(1, call.count if call.op in WHOLE else (res.max_count or call.count))
         parity, ccl_in, ccl_out = self._halves[call.seq & 1]
         for a in range(0, max(call.count, 1), step):
             b = min(a + step, call.count)
             s, d = self._views(call, src, dst, a, b, inplace)
             ctx = Context(call=call, topo=self.topo, links=self.links, src=s, dst=d,
                           ccl_in=ccl_in, ccl_out=ccl_out, half_offset=parity, main=self.main, subs=subs,
-                          ufunc=ufunc, final=b == call.count)
+                          ufunc=ufunc, final=b == call.count, scratch=self.scratch)
             self._ctx = ctx
             try:
                 await algorithm.orchestrate(ctx)
@@ -146,7 +154,7 @@ class Executor:
     def _views(self, call: Call, src: np.ndarray, dst: np.ndarray, a: int, b: int,
                inplace: bool) -> tuple[np.ndarray, np.ndarray]:
         n, count = self.size, call.count
-        if a == 0 and b == count and call.op not in ("all_gather", "reduce_scatter"):
+        if call.op in WHOLE or (a == 0 and b == count and call.op not in ("all_gather", "reduce_scatter")):
             return src, dst  # one slice: the whole arrays, no new views
         if call.op == "all_gather":
             return src[a:b], dst.reshape(n, count)[:, a:b]

@@ -23,7 +23,7 @@ import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import ClassVar, Hashable, Sequence
+from typing import Callable, ClassVar, Hashable, Sequence
 
 import numpy as np
 
@@ -34,14 +34,26 @@ from ..transports.base import Link, Signal
 
 ALIGN = 64  # byte alignment of every region an algorithm carves from a CCL buffer
 
+# Ops the executor runs whole, never sliced: their algorithms move data of any size through
+# ``Channels`` (or read peers' memory). All but reduce carry per-rank ``Call.counts``.
+WHOLE = frozenset({"reduce", "gather", "scatter", "all_to_all", "all_gather_v", "reduce_scatter_v",
+                     "gather_v", "scatter_v", "all_to_all_v"})
+
 
 @dataclass(slots=True)
 class Call:
     """One collective as every rank issued it.
 
-    ``count`` is the per-rank block in elements: the whole vector for all_reduce and
-    broadcast, the input of one rank for all_gather, the output of one rank for
-    reduce_scatter. Treat it as read-only.
+    ``count`` is the per-rank block in elements: the whole vector for all_reduce, broadcast
+    and reduce, the input of one rank for all_gather, the output of one rank for
+    reduce_scatter, one rank's block for gather, scatter and all_to_all.
+
+    ``counts`` (the ops in ``WHOLE`` but reduce) gives every rank's block in elements, the same on
+    every rank: what each rank contributes (all_gather_v, gather, gather_v), receives
+    (reduce_scatter_v, scatter, scatter_v), or - for all_to_all(_v) - what *this* rank
+    sends to each peer; ``recv_counts`` is then what it receives from each. Blocks lie
+    in rank order in the flat ``src``/``dst`` (``displs`` gives their offsets). Treat a
+    Call as read-only.
     """
 
     op: str
@@ -50,10 +62,27 @@ class Call:
     count: int
     redop: ReduceOp | None = None
     root: int = 0
+    counts: tuple[int, ...] | None = None
+    recv_counts: tuple[int, ...] | None = None
 
     @property
     def itemsize(self) -> int:
         return self.dtype.itemsize
+
+    @property
+    def empty(self) -> bool:
+        """Nothing to move on any rank (all_to_all: nothing from or to this rank)."""
+        if self.counts is None:
+            return self.count == 0
+        return not any(self.counts) and not any(self.recv_counts or ())
+
+    @staticmethod
+    def displs(counts: Sequence[int]) -> list[int]:
+        """Offsets of blocks laid out back to back: [0, c0, c0+c1, ...] (one more than counts)."""
+        out = [0]
+        for c in counts:
+            out.append(out[-1] + c)
+        return out
 
 
 @dataclass(frozen=True)
@@ -85,7 +114,8 @@ class Context:
 
     def __init__(self, *, call: Call, topo: Topology, links: dict[int, Link], src: np.ndarray,
                  dst: np.ndarray, ccl_in: np.ndarray, ccl_out: np.ndarray, half_offset: int, main: Stream,
-                 subs: Sequence[Stream], ufunc: np.ufunc | None, final: bool = True) -> None:
+                 subs: Sequence[Stream], ufunc: np.ufunc | None, final: bool = True,
+                 scratch: Callable[[int], np.ndarray] | None = None) -> None:
         self.call = call
         self.topo = topo
         self.rank = topo.rank
@@ -100,6 +130,7 @@ class Context:
         self.subs = list(subs)
         self.ufunc = ufunc
         self.final = final  # the last slice of this collective
+        self._scratch = scratch
         self._locals: dict[Hashable, Notify] = {}
         self._error: BaseException | None = None
         for stream in (main, *self.subs):
@@ -157,6 +188,16 @@ class Context:
         """``count`` elements of the call's dtype at byte ``offset`` of a uint8 region."""
         nbytes = count * self.call.itemsize
         return region[offset:offset + nbytes].view(self.call.dtype)
+
+    def scratch(self, count: int) -> np.ndarray:
+        """A private array of ``count`` elements of the call's dtype for this run.
+
+        It is the communicator's reusable scratch (grown, never shrunk): no allocation per
+        call once warm. One region per run: a second call returns the same memory.
+        """
+        nbytes = count * self.call.itemsize
+        whole = self._scratch(nbytes) if self._scratch is not None else np.empty(nbytes, np.uint8)
+        return whole[:nbytes].view(self.call.dtype)
 
     async def synchronize(self) -> None:
         """Wait for the main stream and every sub-stream to drain; raise the first failure."""

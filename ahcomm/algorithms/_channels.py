@@ -1,0 +1,119 @@
+"""Channels: point-to-point transfers inside one run, through the receivers' CCL_In.
+
+The building block of the catalogue's step-wise algorithms (tree, RHD, NHR, Bruck,
+pairwise): each step sends a block to one peer and receives a block from another, of any
+size, on any link kind. It is HCCL's link handshake, pipelined:
+
+* the receiver's CCL_In half is cut into one region per possible sender (region of sender
+  ``s`` at receiver ``r``: ``(s - r - 1) mod n``) and each region into ``slots`` slots;
+* a send cuts its block into pieces of at most one slot; piece ``k`` on a link goes to slot
+  ``k mod slots`` (put, then DataSignal(slot)); from the ``slots``-th piece on, the sender
+  first waits for the receiver's Ack(slot) (credit) for the piece that used the slot before;
+* a receive waits for DataSignal(slot), copies (or reduces) the piece out of the slot, and
+  posts Ack(slot) back.
+
+Both sides cut a block the same way, so ``recv(..., done=[K])`` and ``send(..., after=K)`` of
+the same block pipeline piece by piece: piece ``i`` is forwarded once it has landed (local
+notify ``(K, i)``). A block forwarded to several peers names one key per send in ``done``
+(a notify is waited once). Keep every send to one peer on one stream, and every receive from one
+peer on one stream, within a run. ``finish()`` collects the outstanding credits, so that
+every flag is back at 0 when the run ends (the framework's protocol rule): call it after
+the last send and before ``ctx.synchronize()``.
+
+Blocks of the same (sender, receiver) pair are received in the order they are sent. Zero-
+length blocks move nothing (both sides skip them).
+"""
+
+from __future__ import annotations
+
+from typing import Hashable, Sequence
+
+import numpy as np
+
+from .._errors import ConfigError
+from .._stream import Stream
+from ..transports.base import Signal
+from .base import Context, aligned
+
+SLOTS = 4  # credits per (sender, receiver) pair: pieces in flight on one link
+PIECE_BYTES = 1 << 20  # largest piece: small enough to pipeline a step, big enough to amortise a notify
+
+
+class Channels:
+    """Sends and receives of one run (one collective, one slice)."""
+
+    def __init__(self, ctx: Context, *, piece_bytes: int = PIECE_BYTES) -> None:
+        self.ctx = ctx
+        n, item = ctx.size, ctx.call.itemsize
+        region = aligned(ctx.ccl_in.nbytes // max(1, n - 1), item)
+        unit = aligned(max(64, item), item) or item
+        self.slots = min(SLOTS, region // unit) if unit else 0
+        if self.slots < 1:
+            raise ConfigError(f"AHCOMM_BUFFSIZE is too small for {ctx.call.op} on {n} ranks: a CCL_In half of "
+                              f"{ctx.ccl_in.nbytes} bytes cannot give {n - 1} peers a slot of {unit} bytes")
+        self.region_bytes = region
+        self.slot_bytes = aligned(region // self.slots, item)
+        self.step = max(1, min(self.slot_bytes, piece_bytes) // item)  # elements per piece
+        self._sent: dict[int, int] = {}  # pieces sent to each peer so far in this run
+        self._received: dict[int, int] = {}
+        self._tx: dict[int, Stream] = {}  # the stream that sends to each peer
+
+    def _region(self, sender: int, receiver: int) -> int:
+        return ((sender - receiver - 1) % self.ctx.size) * self.region_bytes
+
+    def pieces(self, count: int) -> list[tuple[int, int]]:
+        """How a block of ``count`` elements is cut: [start, stop) ranges (none if empty)."""
+        return [(a, min(a + self.step, count)) for a in range(0, count, self.step)]
+
+    def send(self, stream: Stream, peer: int, src: np.ndarray, *, after: Hashable | None = None) -> None:
+        """Enqueue on ``stream``: send ``src`` (1-D, contiguous) to ``peer``.
+
+        With ``after``, piece ``i`` first waits for the local notify ``(after, i)``.
+        """
+        ctx = self.ctx
+        if self._tx.setdefault(peer, stream) is not stream:
+            raise RuntimeError(f"Channels: sends to rank {peer} must stay on one stream")
+        base = self._region(ctx.rank, peer)
+        k = self._sent.get(peer, 0)
+        for i, (a, b) in enumerate(self.pieces(src.size)):
+            if after is not None:
+                stream.wait(ctx.local((after, i)))
+            slot = k % self.slots
+            if k >= self.slots:
+                ctx.wait(stream, peer, Signal.ACK, slot)
+            ctx.put(stream, peer, src[a:b], "in", base + slot * self.slot_bytes)
+            ctx.post(stream, peer, Signal.DATA, slot)
+            k += 1
+        self._sent[peer] = k
+
+    def recv(self, stream: Stream, peer: int, dst: np.ndarray, *, reduce_with: np.ndarray | None = None,
+             done: Sequence[Hashable] = ()) -> None:
+        """Enqueue on ``stream``: receive ``dst.size`` elements from ``peer`` into ``dst``.
+
+        With ``reduce_with``, ``dst = ufunc(reduce_with, landed)`` (``reduce_with`` may be
+        ``dst``). For each key ``K`` in ``done`` the local notify ``(K, i)`` is posted once
+        piece ``i`` is in.
+        """
+        ctx = self.ctx
+        base = self._region(peer, ctx.rank)
+        k = self._received.get(peer, 0)
+        for i, (a, b) in enumerate(self.pieces(dst.size)):
+            slot = k % self.slots
+            ctx.wait(stream, peer, Signal.DATA, slot)
+            landed = ctx.typed(ctx.ccl_in, base + slot * self.slot_bytes, b - a)
+            if reduce_with is None:
+                stream.copy(dst[a:b], landed)
+            else:
+                assert ctx.ufunc is not None, "a reducing receive needs a reduce op"
+                stream.reduce(ctx.ufunc, dst[a:b], reduce_with[a:b], landed)
+            ctx.post(stream, peer, Signal.ACK, slot)
+            for key in done:
+                stream.post(ctx.local((key, i)))
+            k += 1
+        self._received[peer] = k
+
+    def finish(self) -> None:
+        """Enqueue the waits for the credits still out, each on the stream that sent."""
+        for peer, sent in self._sent.items():
+            for k in range(max(0, sent - self.slots), sent):
+                self.ctx.wait(self._tx[peer], peer, Signal.ACK, k % self.slots)
