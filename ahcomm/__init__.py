@@ -9,17 +9,33 @@ from __future__ import annotations
 from . import algorithms
 from ._api import (
     all_gather,
+    all_gather_object,
+    all_gather_v,
     all_reduce,
+    all_to_all,
+    all_to_all_v,
     barrier,
+    batch_send_recv,
     broadcast,
+    broadcast_object,
     default_comm,
     finalize,
+    gather,
+    gather_object,
+    gather_v,
     get_rank,
     get_world_size,
     init,
+    recv,
+    reduce,
     reduce_scatter,
+    reduce_scatter_v,
+    scatter,
+    scatter_v,
+    send,
 )
 from ._bootstrap import create_inprocess as init_inprocess
+from ._collectives import Gathered
 from ._comm import Comm
 from ._config import Config
 from ._dtypes import SUPPORTED_DTYPES, ReduceOp
@@ -37,13 +53,16 @@ from ._errors import (
     TransportError,
     UsageError,
 )
+from ._p2p import P2POp
 
 __version__ = "0.1.0"
 
 __all__ = [
     "AhcommError", "CollectiveMismatchError", "CollectiveTimeout", "Comm", "CommClosedError",
-    "CommunicationError", "Config", "ConfigError", "ConnectError", "InvalidArgument", "InvalidDtype",
-    "PeerFailure", "ReduceOp", "SUPPORTED_DTYPES", "TransportError", "UsageError", "algorithms",
-    "all_gather", "all_reduce", "barrier", "broadcast", "default_comm", "finalize", "get_rank",
-    "get_world_size", "init", "init_inprocess", "reduce_scatter", "__version__",
+    "CommunicationError", "Config", "ConfigError", "ConnectError", "Gathered", "InvalidArgument", "InvalidDtype",
+    "P2POp", "PeerFailure", "ReduceOp", "SUPPORTED_DTYPES", "TransportError", "UsageError", "algorithms",
+    "all_gather", "all_gather_object", "all_gather_v", "all_reduce", "all_to_all", "all_to_all_v", "barrier",
+    "batch_send_recv", "broadcast", "broadcast_object", "default_comm", "finalize", "gather", "gather_object",
+    "gather_v", "get_rank", "get_world_size", "init", "init_inprocess", "recv", "reduce", "reduce_scatter",
+    "reduce_scatter_v", "scatter", "scatter_v", "send", "__version__",
 ]

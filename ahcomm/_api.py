@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 
 from ._bootstrap import create
+from ._collectives import Gathered
 from ._comm import Comm
 from ._config import Config
 from ._dtypes import ReduceOp
 from ._errors import CommClosedError
+from ._p2p import P2POp
 
 _default: Comm | None = None
 
@@ -62,6 +64,67 @@ def broadcast(x: Any, root: int = 0, **kw: Any) -> "asyncio.Future[np.ndarray]":
 
 def barrier() -> "asyncio.Future[None]":
     return default_comm().barrier()
+
+
+def reduce(x: Any, op: ReduceOp | str = "sum", root: int = 0, **kw: Any) -> "asyncio.Future[np.ndarray | None]":
+    return default_comm().reduce(x, op, root, **kw)
+
+
+def gather(x: Any, root: int = 0, **kw: Any) -> "asyncio.Future[np.ndarray | None]":
+    return default_comm().gather(x, root, **kw)
+
+
+def scatter(x: Any, root: int = 0, **kw: Any) -> "asyncio.Future[np.ndarray]":
+    return default_comm().scatter(x, root, **kw)
+
+
+def all_to_all(x: Any, **kw: Any) -> "asyncio.Future[np.ndarray]":
+    return default_comm().all_to_all(x, **kw)
+
+
+def all_gather_v(x: Any, **kw: Any) -> "asyncio.Future[Gathered]":
+    return default_comm().all_gather_v(x, **kw)
+
+
+def reduce_scatter_v(x: Any, counts: Sequence[int], op: ReduceOp | str = "sum",
+                     **kw: Any) -> "asyncio.Future[np.ndarray]":
+    return default_comm().reduce_scatter_v(x, counts, op, **kw)
+
+
+def gather_v(x: Any, root: int = 0, **kw: Any) -> "asyncio.Future[Gathered | None]":
+    return default_comm().gather_v(x, root, **kw)
+
+
+def scatter_v(x: Any, counts: Sequence[int], root: int = 0, **kw: Any) -> "asyncio.Future[np.ndarray]":
+    return default_comm().scatter_v(x, counts, root, **kw)
+
+
+def all_to_all_v(x: Any, send_counts: Sequence[int], **kw: Any) -> "asyncio.Future[Gathered]":
+    return default_comm().all_to_all_v(x, send_counts, **kw)
+
+
+def send(x: Any, dst: int, **kw: Any) -> "asyncio.Future[None]":
+    return default_comm().send(x, dst, **kw)
+
+
+def recv(src: int, **kw: Any) -> "asyncio.Future[np.ndarray]":
+    return default_comm().recv(src, **kw)
+
+
+def batch_send_recv(ops: Sequence[P2POp]) -> "asyncio.Future[list[np.ndarray | None]]":
+    return default_comm().batch_send_recv(ops)
+
+
+def broadcast_object(obj: Any = None, root: int = 0) -> "asyncio.Future[Any]":
+    return default_comm().broadcast_object(obj, root)
+
+
+def all_gather_object(obj: Any) -> "asyncio.Future[list[Any]]":
+    return default_comm().all_gather_object(obj)
+
+
+def gather_object(obj: Any, root: int = 0) -> "asyncio.Future[list[Any] | None]":
+    return default_comm().gather_object(obj, root)
 
 
 async def finalize() -> None:

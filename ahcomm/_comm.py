@@ -19,6 +19,8 @@ import numpy as np
 
 from ._buffers import CclBuffers
 from ._collectives import BlockedCollectives
+from ._objects import ObjectCollectives
+from ._p2p import PointToPoint
 from ._dtypes import ReduceOp, check_dtype, check_reduce, finish_avg, ufunc_for
 from ._errors import CollectiveTimeout, CommClosedError, InvalidArgument, PeerFailure, UsageError
 from .algorithms._executor import Executor, Progress
@@ -48,7 +50,7 @@ def _as_array(x: Any, what: str) -> np.ndarray:
     raise InvalidArgument(f"{what} must be a numpy array (or expose __array__), got {type(x).__name__}")
 
 
-class Comm(BlockedCollectives):
+class Comm(BlockedCollectives, ObjectCollectives, PointToPoint):
     """A group of ranks that run collectives together."""
 
     def __init__(self, *, rank: int, size: int, links: dict[int, Link], buffers: CclBuffers,
@@ -71,6 +73,7 @@ class Comm(BlockedCollectives):
         self._started = 0.0  # loop time it started
         self._watchdog: asyncio.TimerHandle | None = None
         self._executor.on_peer_abort(self._peer_aborted)
+        self._p2p_init()
 
     def __repr__(self) -> str:
         return f"<ahcomm.Comm rank={self.rank} size={self.size} seq={self._seq}>"
@@ -288,6 +291,9 @@ class Comm(BlockedCollectives):
         message = (f"{call.op} #{call.seq} on rank {self.rank} did not complete within "
                    f"{self._exec_timeout:g} s (AHCOMM_EXEC_TIMEOUT); the communicator is now unusable")
         self._fail(CollectiveTimeout(message), tell_peers=message)
+
+    def _p2p_links(self) -> dict[int, Link]:
+        return self._executor.links
 
     def _set_topology(self, topo: Topology) -> None:
         self.topology = topo

@@ -23,8 +23,9 @@ from .base import BUFFER_NAMES, Link, ProgressHook
 
 # kind, signal-or-buffer, index, nbytes, seq, offset (a signal's value travels as its offset)
 HEADER = struct.Struct("<BBHIqQ")
-MSG_SIGNAL, MSG_PUT, MSG_DATA_ACK, MSG_PROGRESS, MSG_ABORT = 1, 2, 3, 4, 5
+MSG_SIGNAL, MSG_PUT, MSG_DATA_ACK, MSG_PROGRESS, MSG_ABORT, MSG_P2P, MSG_P2P_ACK = 1, 2, 3, 4, 5, 6, 7
 MAX_REASON = 1024
+MAX_META = 4096  # bytes of a point-to-point message's metadata frame
 RANK_ID = struct.Struct("<I")
 COPY_THRESHOLD = 64 * 1024  # frames at least this big are sent zero-copy
 
@@ -125,6 +126,7 @@ class ZmqLink(Link):
         self.endpoint = endpoint
         self.sock = channel.dealer(endpoint)
         channel.links[peer] = self
+        self._p2p_sent: dict[tuple[int, int], asyncio.Future[None]] = {}
 
     def _send(self, kind: int, a: int, index: int, seq: int, nbytes: int = 0, offset: int = 0,
               data: Any = None) -> None:
@@ -148,6 +150,41 @@ class ZmqLink(Link):
         if self._error is None:
             self._send(MSG_PROGRESS, 0, 0, seq)
 
+    def send_message(self, key: tuple[int, int], meta: bytes, data: Any) -> "asyncio.Future[None]":
+        """Header, metadata and payload (zero-copy when big); done when the peer acknowledged."""
+        if self._error is not None:
+            raise self._error
+        tag, counter = key
+        payload = memoryview(data).cast("B")
+        header = HEADER.pack(MSG_P2P, 0, tag, payload.nbytes, counter, 0)
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._p2p_sent[key] = done
+        try:
+            self.sock.send_multipart([header, meta, payload], zmq.NOBLOCK, copy=payload.nbytes < COPY_THRESHOLD)
+        except zmq.ZMQError as exc:
+            del self._p2p_sent[key]
+            raise TransportError(f"link {self.rank}->{self.peer}: send failed: {exc}") from exc
+        self.bytes_sent += payload.nbytes
+        return done
+
+    def _on_p2p(self, tag: int, counter: int, nbytes: int, sock: zmq.Socket[Any]) -> None:
+        meta = sock.recv(zmq.NOBLOCK) if sock.getsockopt(zmq.RCVMORE) else b""
+        if len(meta) > MAX_META or not sock.getsockopt(zmq.RCVMORE):
+            raise TransportError(f"link {self.peer}->{self.rank}: malformed point-to-point message")
+        frame = sock.recv(zmq.NOBLOCK, copy=False)
+        if len(frame.buffer) != nbytes:
+            raise TransportError(f"link {self.peer}->{self.rank}: message of {len(frame.buffer)} bytes, "
+                                 f"header said {nbytes}")
+        self._send(MSG_P2P_ACK, 0, tag, counter)
+        self.deliver_message((tag, counter), bytes(meta), frame.buffer)
+
+    def fail(self, error: BaseException) -> None:
+        super().fail(error)
+        for fut in self._p2p_sent.values():
+            if not fut.done():
+                fut.set_exception(error)
+        self._p2p_sent.clear()
+
     def send_abort(self, reason: str) -> None:
         data = reason.encode()[:MAX_REASON]
         try:
@@ -165,6 +202,13 @@ class ZmqLink(Link):
         elif kind == MSG_ABORT:
             reason = sock.recv(zmq.NOBLOCK) if sock.getsockopt(zmq.RCVMORE) else b""
             self.peer_aborted(bytes(reason[:MAX_REASON]).decode(errors="replace"))
+        elif kind == MSG_P2P:
+            self._on_p2p(index, seq, nbytes, sock)
+            return False
+        elif kind == MSG_P2P_ACK:
+            done = self._p2p_sent.pop((index, seq), None)
+            if done is not None and not done.done():
+                done.set_result(None)
         else:
             return self.on_data_message(kind, a, index, nbytes, seq, offset, sock)
         return True

@@ -13,6 +13,9 @@ and, on RDMA-like links, DataAck) and gives access to the peer's CCL buffers:
 * ``read(dst, addr, run)`` copies from the peer's own memory at ``addr`` (``single_copy``
   links only): a peer posts the address of its user buffer with a signal's ``value``, and
   the reader fetches the bytes in one copy, with no staging through CCL buffers.
+* ``send_message(key, meta, data)`` / ``message(key)`` carry point-to-point messages
+  (send/recv), outside the collectives' buffers: a message is matched by its key
+  (user tag, per-pair sequence number), whether it arrives before or after it is asked for.
 
 Concrete transports (``inproc``, ``sdma``, ``rdma``) implement this; algorithms only ever
 see ``Link``.
@@ -20,6 +23,7 @@ see ``Link``.
 
 from __future__ import annotations
 
+import asyncio
 import enum
 from abc import ABC, abstractmethod
 from typing import Any, Awaitable, Callable, ClassVar, Protocol
@@ -45,6 +49,8 @@ class MemoryRunner(Protocol):
 
 ProgressHook = Callable[[int, int], None]  # (peer, seq of the peer's latest message)
 AbortHook = Callable[[int, str], None]  # (peer, reason)
+MessageKey = tuple[int, int]  # (user tag, per-pair sequence number) of a point-to-point message
+Message = tuple[bytes, Any]  # (metadata, bytes-like payload)
 
 BUFFER_IDS = {"in": 0, "out": 1}
 BUFFER_NAMES = ("in", "out")
@@ -68,6 +74,7 @@ class Link(ABC):
         self.bytes_sent = 0
         self.bytes_received = 0
         self.signals_sent = 0
+        self._mail: dict[MessageKey, asyncio.Future[Message]] = {}
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.rank}->{self.peer}>"
@@ -133,6 +140,32 @@ class Link(ABC):
     async def flush(self) -> None:
         """Wait until every put so far has landed at the peer (no-op where puts are copies)."""
 
+    # -- point-to-point messages ------------------------------------------------------------
+    @abstractmethod
+    def send_message(self, key: MessageKey, meta: bytes, data: np.ndarray) -> "Awaitable[None] | None":
+        """Send one message; the awaitable (if any) is done when ``data`` may be reused."""
+
+    def message(self, key: MessageKey) -> "asyncio.Future[Message]":
+        """The message with ``key`` from the peer (already arrived, or a future for it)."""
+        fut = self._mail.pop(key, None)
+        if fut is None:
+            fut = asyncio.get_running_loop().create_future()
+            if self._error is not None:
+                fut.set_exception(self._error)
+            else:
+                self._mail[key] = fut
+        return fut
+
+    def deliver_message(self, key: MessageKey, meta: bytes, data: Any) -> None:
+        """Called by the transport when a message arrived (``data``: a bytes-like object)."""
+        fut = self._mail.pop(key, None)
+        if fut is None:  # nobody asked yet: keep it until they do
+            fut = asyncio.get_running_loop().create_future()
+            self._mail[key] = fut
+        if not fut.done():
+            fut.set_result((meta, data))
+        self.bytes_received += len(memoryview(data).cast("B"))
+
     # -- lifecycle ------------------------------------------------------------------------
     def close(self) -> None:
         """Release what the link owns (sockets, mappings)."""
@@ -142,6 +175,9 @@ class Link(ABC):
         self._error = error
         for flag in self._notifies.values():
             flag.fail(error)
+        for fut in self._mail.values():
+            if not fut.done():
+                fut.set_exception(error)
 
     def stats(self) -> dict[str, Any]:
         return {

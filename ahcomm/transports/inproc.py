@@ -12,7 +12,7 @@ from typing import Any, Awaitable
 import numpy as np
 
 from .._buffers import CclBuffers
-from .base import Link, MappedAccess, MemoryRunner, ProgressHook
+from .base import Link, MappedAccess, MemoryRunner, MessageKey, ProgressHook, as_bytes
 
 
 def _memmove(dst: np.ndarray, addr: int) -> None:
@@ -36,6 +36,14 @@ class InprocLink(MappedAccess, Link):
     def read(self, dst: np.ndarray, addr: int, run: MemoryRunner) -> "Awaitable[Any] | None":
         self.bytes_received += dst.nbytes
         return run(_memmove, dst, addr)
+
+    def send_message(self, key: MessageKey, meta: bytes, data: np.ndarray) -> "Awaitable[None] | None":
+        assert self.twin is not None
+        if self._error is not None:
+            raise self._error
+        self.bytes_sent += data.nbytes
+        self.twin.deliver_message(key, meta, as_bytes(data).copy())  # the sender may reuse data at once
+        return None
 
     def send_progress(self, seq: int) -> None:
         assert self.twin is not None

@@ -1,0 +1,155 @@
+"""Point-to-point: send, recv and batch_send_recv (HcclSend/HcclRecv, HcclBatchSendRecv).
+
+A mixin of ``Comm``. Messages do not take the communicator's sequence numbers (only two
+ranks take part) and do not wait behind collectives: they travel as link messages, matched
+by (tag, per-pair order) as MPI matches (source, tag) without overtaking. A send is eager:
+it never waits for the matching recv to be posted, so any order of sends and receives is
+deadlock-free (batch_send_recv just issues them all). A send completes when the peer
+holds the bytes; leave ``x`` alone until then. The metadata frame carries dtype and shape,
+so ``recv`` can build the array itself or check ``out`` against what was sent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Sequence
+
+import msgpack
+import numpy as np
+
+from ._dtypes import SUPPORTED_DTYPES
+from ._errors import CollectiveMismatchError, CollectiveTimeout, InvalidArgument
+
+if TYPE_CHECKING:
+    from .transports.base import Link
+
+MAX_TAG = 0xFFFF
+_DTYPES = {d.name: d for d in SUPPORTED_DTYPES}
+
+
+@dataclass(frozen=True)
+class P2POp:
+    """One operation of ``batch_send_recv``: ``P2POp("send", x, peer)`` or ``P2POp("recv", out, peer)``."""
+
+    kind: str
+    array: Any
+    peer: int
+    tag: int = 0
+
+
+class PointToPoint:
+    """send / recv / batch_send_recv on a communicator's links."""
+
+    rank: int
+    size: int
+
+    if TYPE_CHECKING:
+        _exec_timeout: float
+
+        def _input(self, x: Any, what: str) -> tuple[np.ndarray, np.dtype]: ...
+        def _check_open(self) -> None: ...
+        def _p2p_links(self) -> dict[int, Link]: ...
+
+    def _p2p_init(self) -> None:
+        self._sent_count: defaultdict[tuple[int, int], int] = defaultdict(int)  # (peer, tag) -> messages sent
+        self._recv_count: defaultdict[tuple[int, int], int] = defaultdict(int)
+
+    def send(self, x: Any, dst: int, *, tag: int = 0) -> "asyncio.Future[None]":
+        """Send ``x`` to rank ``dst``; done when ``dst`` holds the bytes (x may then be reused)."""
+        arr, _ = self._input(x, "send")
+        link = self._peer_link(dst, "send", tag)
+        data = np.ascontiguousarray(arr)
+        meta = msgpack.packb([data.dtype.name, list(data.shape)])
+        key = (tag, self._sent_count[(dst, tag)])
+        self._sent_count[(dst, tag)] += 1
+        pending = link.send_message(key, meta, data.reshape(-1))
+        future: asyncio.Future[None]
+        if pending is None:
+            future = asyncio.get_running_loop().create_future()
+            future.set_result(None)
+        else:
+            future = asyncio.ensure_future(self._bounded(pending, f"send to rank {dst} (tag {tag}, #{key[1]})"))
+        return future
+
+    def recv(self, src: int, *, out: np.ndarray | None = None, shape: Sequence[int] | None = None,
+             dtype: Any = None, tag: int = 0) -> "asyncio.Future[np.ndarray]":
+        """Receive the next message from ``src`` with ``tag``.
+
+        Into ``out``, or a new array of ``shape``/``dtype`` (checked against what was
+        sent), or - given neither - of the sender's shape and dtype.
+        """
+        self._check_open()
+        if out is not None:
+            if not isinstance(out, np.ndarray):
+                raise InvalidArgument(f"recv: out must be a numpy array, got {type(out).__name__}")
+            if not out.flags.writeable:
+                raise InvalidArgument("recv: out is read-only")
+            self._input(out, "recv out")
+        want_dtype = np.dtype(dtype) if dtype is not None else None
+        link = self._peer_link(src, "recv", tag)
+        key = (tag, self._recv_count[(src, tag)])
+        self._recv_count[(src, tag)] += 1
+        what = f"recv from rank {src} (tag {tag}, #{key[1]})"
+        return asyncio.ensure_future(self._receive(link, key, what, out, shape, want_dtype))
+
+    def batch_send_recv(self, ops: Sequence[P2POp]) -> "asyncio.Future[list[np.ndarray | None]]":
+        """Run sends and receives together (no order among them can deadlock); results in op order
+        (the received array for a recv, None for a send)."""
+        futures: list[asyncio.Future[Any]] = []
+        for op in ops:
+            if op.kind == "send":
+                futures.append(self.send(op.array, op.peer, tag=op.tag))
+            elif op.kind == "recv":
+                out = op.array if isinstance(op.array, np.ndarray) else None
+                futures.append(self.recv(op.peer, out=out, tag=op.tag))
+            else:
+                raise InvalidArgument(f"batch_send_recv: op kind must be 'send' or 'recv', got {op.kind!r}")
+        return asyncio.ensure_future(self._gather_all(futures))
+
+    # -- plumbing ----------------------------------------------------------------------------
+    @staticmethod
+    async def _gather_all(futures: list["asyncio.Future[Any]"]) -> list[Any]:
+        return list(await asyncio.gather(*futures))
+
+    def _peer_link(self, peer: int, what: str, tag: int) -> "Link":
+        self._check_open()
+        if not isinstance(peer, (int, np.integer)) or not 0 <= int(peer) < self.size:
+            raise InvalidArgument(f"{what}: peer rank {peer!r} is out of range for world size {self.size}")
+        if int(peer) == self.rank:
+            raise InvalidArgument(f"{what}: rank {self.rank} cannot {what} itself")
+        if not isinstance(tag, int) or not 0 <= tag <= MAX_TAG:
+            raise InvalidArgument(f"{what}: tag must be an integer in 0..{MAX_TAG}, got {tag!r}")
+        return self._p2p_links()[int(peer)]
+
+    async def _bounded(self, pending: "asyncio.Future[Any] | Any", what: str) -> Any:
+        try:
+            async with asyncio.timeout(self._exec_timeout):
+                return await pending
+        except TimeoutError:
+            raise CollectiveTimeout(f"{what} on rank {self.rank} did not complete within "
+                                    f"{self._exec_timeout:g} s (AHCOMM_EXEC_TIMEOUT)") from None
+
+    async def _receive(self, link: "Link", key: tuple[int, int], what: str, out: np.ndarray | None,
+                       shape: Sequence[int] | None, dtype: np.dtype | None) -> np.ndarray:
+        meta, payload = await self._bounded(link.message(key), what)
+        try:
+            dtype_name, sent_shape = msgpack.unpackb(meta)
+            sent_dtype = _DTYPES[dtype_name]
+            sent_shape = tuple(int(d) for d in sent_shape)
+        except Exception as exc:  # noqa: BLE001 - a peer that breaks the protocol
+            raise CollectiveMismatchError(f"{what}: unreadable message metadata ({exc!r})") from None
+        data = np.frombuffer(payload, dtype=sent_dtype)
+        if data.size != int(np.prod(sent_shape, dtype=np.int64)):
+            raise CollectiveMismatchError(f"{what}: {data.size} elements arrived for shape {sent_shape}")
+        if out is not None:
+            if out.dtype != sent_dtype or out.size != data.size:
+                raise CollectiveMismatchError(f"{what}: out has {out.size} x {out.dtype} but rank sent "
+                                              f"shape {sent_shape} of {sent_dtype}")
+            np.copyto(out, data.reshape(out.shape))
+            return out
+        if (dtype is not None and dtype != sent_dtype) or (shape is not None and tuple(shape) != sent_shape):
+            raise CollectiveMismatchError(f"{what}: expected shape {tuple(shape) if shape else sent_shape} of "
+                                          f"{dtype or sent_dtype}, rank sent shape {sent_shape} of {sent_dtype}")
+        return data.reshape(sent_shape).copy()
