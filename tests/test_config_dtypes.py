@@ -43,7 +43,8 @@ def _same_bits(got: np.ndarray, want: np.ndarray) -> np.ndarray:
     """Elementwise: identical bit patterns, or both NaN (of any payload)."""
     uint = np.dtype(f"u{got.dtype.itemsize}")
     both_nan = np.isnan(got.astype(F32)) & np.isnan(want.astype(F32))
-    return (got.view(uint) == want.view(uint)) | both_nan
+    same: np.ndarray = (got.view(uint) == want.view(uint)) | both_nan
+    return same
 
 
 def _every_value(dt: np.dtype) -> np.ndarray:
@@ -68,8 +69,8 @@ def test_ml_dtypes_are_supported_floats() -> None:
 
 @pytest.mark.parametrize("op", BITWISE, ids=lambda o: o.value)
 def test_bitwise_ops_reject_floats(op: ReduceOp) -> None:
-    for dt in (np.float16, np.float32, np.float64, *ML_FLOAT_DTYPES):
-        dt = np.dtype(dt)
+    floats: list[np.dtype] = [np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64), *ML_FLOAT_DTYPES]
+    for dt in floats:
         with pytest.raises(ahcomm.InvalidDtype, match=rf"reduce op '{op.value}' .*integer or bool dtype, got {dt}"):
             check_reduce(op, dt)
         with pytest.raises(ahcomm.InvalidDtype, match=op.value):
@@ -81,9 +82,9 @@ def test_bitwise_ops_reject_floats(op: ReduceOp) -> None:
 def test_avg_allowed_on_ml_floats_and_rejected_on_ints() -> None:
     for dt in ML_FLOAT_DTYPES:
         check_reduce(ReduceOp.AVG, dt)
-    for dt in (np.bool_, np.uint8, np.int64):
-        with pytest.raises(ahcomm.InvalidDtype, match=f"'avg' needs a floating dtype, got {np.dtype(dt)}"):
-            check_reduce(ReduceOp.AVG, np.dtype(dt))
+    for t in (np.bool_, np.uint8, np.int64):
+        with pytest.raises(ahcomm.InvalidDtype, match=f"'avg' needs a floating dtype, got {np.dtype(t)}"):
+            check_reduce(ReduceOp.AVG, np.dtype(t))
 
 
 @pytest.mark.parametrize("dt", ML_FLOAT_DTYPES, ids=ML_IDS)
