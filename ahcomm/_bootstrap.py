@@ -19,6 +19,8 @@ from ._config import Config
 from ._errors import ConfigError, ConnectError
 from ._rendezvous import host_identity, local_address, register, serve
 from .algorithms import REGISTRY
+from .algorithms._cost import CostModel
+from .algorithms._cost import load as load_cost_model
 from .algorithms._executor import Progress
 from .algorithms._selection import Selector
 from .algorithms.base import Topology
@@ -60,6 +62,7 @@ async def create(config: Config | None = None, *, rank: int | None = None, world
     channel: Channel | None = None
     links: dict[int, Link] = {}
     progress = Progress(rank, size)
+    cost_model = load_cost_model()
     try:
         if size > 1:
             tcp_host = cfg.if_ip or local_address(cfg.master_addr)
@@ -70,12 +73,15 @@ async def create(config: Config | None = None, *, rank: int | None = None, world
                 "buffsize": buffers.nbytes, "pid": os.getpid(),
                 "probe": int(buffers.ccl_in.array.ctypes.data),  # lets same-host peers test single-copy reads
             }
+            if rank == 0:  # every rank selects algorithms with rank 0's cost model
+                info["tuning"] = cost_model.to_dict()
             table = await _rendezvous(rank, size, port, cfg, info)
             links = _connect(rank, table, channel, cfg, host, progress)
             channel.start()
             await _handshake(rank, links, cfg.connect_timeout)
             buffers.unlink()  # every peer has mapped our buffers: no name left to leak
             hosts = tuple(e["host"] for e in table)
+            cost_model = CostModel.from_dict(table[0].get("tuning") or {})
         else:
             hosts = (host,)
     except BaseException:
@@ -93,7 +99,8 @@ async def create(config: Config | None = None, *, rank: int | None = None, world
         buffers.close()
 
     comm = Comm(rank=rank, size=size, links=links, buffers=buffers, topo=topo, progress=progress,
-                selector=Selector(REGISTRY, cfg.algo), exec_timeout=cfg.exec_timeout, on_close=on_close)
+                selector=Selector(REGISTRY, cfg.algo, cost_model), exec_timeout=cfg.exec_timeout,
+                on_close=on_close)
     if size > 1:
         await _agree_single_copy(comm, cfg.single_copy and all(link.single_copy for link in links.values()))
     return comm
@@ -161,6 +168,7 @@ async def create_inprocess(size: int, *, buffsize: int | None = None, algo: str 
     cfg = dataclasses.replace(Config.from_env({}), single_copy=single_copy)
     nbytes = buffsize or cfg.buffsize
     world = InprocWorld(size)
+    cost_model = load_cost_model()
     for r in range(size):
         world.register(r, CclBuffers.local(nbytes))
     comms = []
@@ -171,5 +179,5 @@ async def create_inprocess(size: int, *, buffsize: int | None = None, algo: str 
         topo = Topology(rank=r, size=size, hosts=("inproc",) * size, link_kinds=kinds, all_mapped=True,
                         single_copy=cfg.single_copy)
         comms.append(Comm(rank=r, size=size, links=links, buffers=world.buffers[r], topo=topo, progress=progress,
-                          selector=Selector(REGISTRY, algo), exec_timeout=cfg.exec_timeout))
+                          selector=Selector(REGISTRY, algo, cost_model), exec_timeout=cfg.exec_timeout))
     return comms

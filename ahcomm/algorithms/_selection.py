@@ -7,12 +7,15 @@ the default rule. Level 0 applies inside one server, level 1 when ranks span ser
 
 from __future__ import annotations
 
+import math
+
 from .._errors import ConfigError, InvalidArgument
+from ._cost import CostModel
 from .base import Algorithm, Call, Registry, Topology
 
 _OP_ALIASES = {op.replace("_", ""): op for op in (
     "all_reduce", "all_gather", "reduce_scatter", "broadcast", "barrier", "reduce", "gather", "scatter",
-    "all_to_all", "send", "recv",
+    "all_to_all", "all_gather_v", "reduce_scatter_v", "gather_v", "scatter_v", "all_to_all_v",
 )}
 
 
@@ -46,9 +49,15 @@ def parse_algo(spec: str) -> dict[str, dict[int, str]]:
 class Selector:
     """Chooses an algorithm for each call; deterministic, so every rank picks the same one."""
 
-    def __init__(self, registry: Registry, algo_env: str = "") -> None:
+    def __init__(self, registry: Registry, algo_env: str = "", model: CostModel | None = None) -> None:
         self.registry = registry
         self.env = parse_algo(algo_env)
+        self.model = model or CostModel()
+
+    def costs(self, call: Call, topo: Topology) -> dict[str, float | None]:
+        """Estimated seconds of every algorithm that can run ``call`` (None: no estimate)."""
+        return {n: a.cost(call, topo, self.model) for n, a in self.registry.algorithms.items()
+                if a.select(call, topo)}
 
     def candidates(self, call: Call, topo: Topology) -> list[str]:
         return [n for n, a in self.registry.algorithms.items() if a.select(call, topo)]
@@ -74,19 +83,28 @@ class Selector:
 
     def _from_env(self, call: Call, topo: Topology) -> str | None:
         level = 0 if topo.servers == 1 else 1
-        for key in (call.op, "*"):
+        # "alltoall=" also covers all_to_all_v, as HCCL_ALGO's alltoall covers AlltoAllV.
+        for key in (call.op, call.op.removesuffix("_v"), "*"):
             name = self.env.get(key, {}).get(level)
             if name is not None:
                 return name
         return None
 
     def _default(self, call: Call, topo: Topology) -> Algorithm:
-        preferred = ("mesh", "ring") if topo.all_mapped else ("ring",)
-        for name in preferred:
-            algorithm = self.registry.algorithms.get(name)
-            if algorithm is not None and algorithm.select(call, topo):
-                return algorithm
+        """The cheapest candidate by the cost model; without estimates, mesh, ring, then the first."""
+        best: Algorithm | None = None
+        best_cost = math.inf
         for algorithm in self.registry.algorithms.values():
-            if algorithm.select(call, topo):
-                return algorithm
+            if not algorithm.select(call, topo):
+                continue
+            cost = algorithm.cost(call, topo, self.model)
+            if cost is not None and cost < best_cost:
+                best, best_cost = algorithm, cost
+        if best is not None:
+            return best
+        preferred = ("mesh", "ring") if topo.all_mapped else ("ring",)
+        named = [self.registry.algorithms[n] for n in preferred if n in self.registry.algorithms]
+        for candidate in (*named, *self.registry.algorithms.values()):
+            if candidate.select(call, topo):
+                return candidate
         raise InvalidArgument(f"no algorithm can run {call.op} here")

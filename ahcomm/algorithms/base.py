@@ -23,7 +23,7 @@ import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Callable, ClassVar, Hashable, Sequence
+from typing import TYPE_CHECKING, Callable, ClassVar, Hashable, Sequence
 
 import numpy as np
 
@@ -31,6 +31,9 @@ from .._dtypes import ReduceOp
 from .._notify import Notify
 from .._stream import Stream
 from ..transports.base import Link, Signal
+
+if TYPE_CHECKING:
+    from ._cost import CostModel
 
 ALIGN = 64  # byte alignment of every region an algorithm carves from a CCL buffer
 
@@ -222,6 +225,14 @@ class Algorithm(ABC):
     def select(self, call: Call, topo: Topology) -> bool:
         """Whether this algorithm can run ``call`` on ``topo``."""
         return call.op in self.ops
+
+    def cost(self, call: Call, topo: Topology, model: "CostModel") -> float | None:
+        """Estimated seconds for ``call`` (alpha-beta, see ``_cost``); None: no estimate.
+
+        The selector runs the cheapest algorithm that can run a call; one without an
+        estimate is chosen only when no candidate has one.
+        """
+        return None
 
     def resources(self, call: Call, topo: Topology, half_bytes: int) -> Resources:
         """Streams and slice size for ``call``; ``half_bytes`` is the usable CCL half."""
