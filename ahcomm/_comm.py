@@ -297,7 +297,7 @@ class Comm(BlockedCollectives, ObjectCollectives, PointToPoint):
 
     def _set_topology(self, topo: Topology) -> None:
         self.topology = topo
-        self._executor.topo = topo
+        self._executor.set_topology(topo)
 
     def _fail(self, error: BaseException, tell_peers: str | None = None) -> None:
         self._error = error

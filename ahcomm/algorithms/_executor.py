@@ -18,8 +18,9 @@ import numpy as np
 from .._buffers import CclBuffers
 from .._stream import Stream
 from ..transports.base import Link
-from .base import ALIGN, WHOLE, Algorithm, Call, Context, Topology
+from .base import ALIGN, WHOLE, Algorithm, Call, Context, Resources, Topology
 
+RESOURCE_CACHE = 256  # entries of the per-communicator resources cache
 ALL_DEPENDENT = frozenset({"all_reduce", "all_gather", "reduce_scatter", "barrier"})
 
 
@@ -101,6 +102,7 @@ class Executor:
         self._unmapped = [link for link in links.values() if not link.mapped]
         self._ctx: Context | None = None  # the run in progress (abort fails its local notifies)
         self._scratch = np.empty(0, np.uint8)
+        self._resources: dict[tuple[Any, ...], Resources] = {}
 
     def scratch(self, nbytes: int) -> np.ndarray:
         """The reusable scratch region, at least ``nbytes`` long (pre-faulted when it grows)."""
@@ -108,6 +110,20 @@ class Executor:
             self._scratch = np.empty(max(nbytes, 2 * self._scratch.nbytes), np.uint8)
             self._scratch.fill(0)
         return self._scratch
+
+    def set_topology(self, topo: Topology) -> None:
+        self.topo = topo
+        self._resources.clear()
+
+    def _resources_for(self, algorithm: Algorithm, call: Call) -> Resources:
+        """An algorithm's resources, computed once per (algorithm, op, dtype, count) and kept."""
+        key = (algorithm.name, id(algorithm), call.op, call.dtype, call.count, call.counts)
+        res = self._resources.get(key)
+        if res is None:
+            if len(self._resources) >= RESOURCE_CACHE:
+                self._resources.clear()
+            res = self._resources[key] = algorithm.resources(call, self.topo, self.half)
+        return res
 
     def _substreams(self, count: int) -> list[Stream]:
         while len(self.subs) < count:
@@ -125,7 +141,7 @@ class Executor:
             return
         if self.progress.low() < call.seq - 2:
             await self.progress.wait_all(call.seq - 2)
-        res = algorithm.resources(call, self.topo, self.half)
+        res = self._resources_for(algorithm, call)
         subs = self._substreams(res.substreams)
         step = max(1, call.count if call.op in WHOLE else (res.max_count or call.count))
         parity, ccl_in, ccl_out = self._halves[call.seq & 1]
