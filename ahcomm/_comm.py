@@ -25,7 +25,7 @@ from ._dtypes import ReduceOp, check_dtype, check_reduce, finish_avg, ufunc_for
 from ._errors import CollectiveTimeout, CommClosedError, InvalidArgument, PeerFailure, UsageError
 from .algorithms._executor import Executor, Progress
 from .algorithms._selection import Selector
-from .algorithms.base import Algorithm, Call, Topology
+from .algorithms.base import WHOLE, Algorithm, Call, Topology
 from .transports.base import Link
 
 
@@ -313,6 +313,15 @@ class Comm(BlockedCollectives, ObjectCollectives, PointToPoint):
         if self._error is None:
             self._fail(PeerFailure(f"rank {peer} aborted its communicator ({reason}); "
                                    f"rank {self.rank} can no longer run collectives on it", rank=peer))
+
+    def explain(self, op: str, count: int, dtype: Any = np.float32, *,
+                root: int = 0) -> tuple[str, dict[str, float | None]]:
+        """(the algorithm this communicator would run, {every candidate: estimated seconds})
+        for ``op`` on ``count`` elements (per rank block for the blocked ops) of ``dtype``."""
+        counts = (count,) * self.size if op in WHOLE and op != "reduce" else None
+        call = Call(op=op, seq=self._seq, dtype=np.dtype(dtype), count=count, root=root, counts=counts,
+                    recv_counts=counts if op.startswith("all_to_all") else None)
+        return self._selector.choose(call, self.topology).name, self._selector.costs(call, self.topology)
 
     # -- lifecycle --------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:

@@ -2,11 +2,15 @@
 
     ahcomm-bench -n 4 all_reduce -b 8 -e 64M -f 4 -c 1
 
+    ahcomm-bench -n 4 all_gather --algorithm all     (every algorithm, and the selector's pick)
+    ahcomm-bench calibrate                           (measure alpha/beta for the cost model)
+
 Columns: size, count, type, redop, root, time (us), algbw, busbw (GB/s), #wrong. ``size``
-follows nccl-tests: the buffer for all_reduce/broadcast, the whole output of all_gather,
-the whole input of reduce_scatter. time = mean per op, averaged over ranks. busbw factors:
-all_reduce 2(n-1)/n, all_gather and reduce_scatter (n-1)/n, broadcast 1. Starts N ranks
-itself (through ahcomm-run) unless it is already a rank of a launched job.
+follows nccl-tests: the buffer for all_reduce/broadcast/reduce, the whole output of
+all_gather/gather, the whole input of reduce_scatter/scatter, one rank's buffer for
+all_to_all. time = mean per op, averaged over ranks. busbw factors: all_reduce 2(n-1)/n,
+all_gather, reduce_scatter, gather, scatter, all_to_all (n-1)/n, broadcast and reduce 1.
+Starts N ranks itself (through ahcomm-run) unless it is already a rank of a launched job.
 """
 
 from __future__ import annotations
@@ -22,8 +26,10 @@ from typing import Any, Iterator, Sequence
 
 import numpy as np
 
-OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
-BLOCKED = ("all_gather", "reduce_scatter")
+OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "gather", "scatter", "all_to_all")
+BLOCKED = ("all_gather", "reduce_scatter", "gather", "scatter", "all_to_all")  # size counts n blocks
+REDUCING = ("all_reduce", "reduce_scatter", "reduce")
+ROOTED = ("broadcast", "reduce", "gather", "scatter")
 
 
 def parse_size(text: str) -> int:
@@ -58,9 +64,32 @@ def pattern(rank: int, count: int, dtype: np.dtype, offset: int = 0) -> np.ndarr
     return (((idx % 7) + 1) * (rank + 1)).astype(dtype)
 
 
-def expected(op: str, rank: int, n: int, block: int, dtype: np.dtype, redop: str, root: int) -> np.ndarray:
-    if op == "all_gather":
-        return np.concatenate([pattern(r, block, dtype) for r in range(n)])
+def blocks(ranks: Sequence[int], block: int, dtype: np.dtype, offsets: Sequence[int]) -> np.ndarray:
+    return np.concatenate([pattern(r, block, dtype, o) for r, o in zip(ranks, offsets)])
+
+
+def source(op: str, rank: int, n: int, block: int, dtype: np.dtype, root: int) -> np.ndarray:
+    """The known input of ``rank``."""
+    if op == "reduce_scatter":
+        return pattern(rank, block * n, dtype)
+    if op == "scatter":
+        return blocks(range(n), block, dtype, [0] * n) if rank == root else np.zeros(block * n, dtype)
+    if op == "all_to_all":
+        return blocks([rank] * n, block, dtype, [j * block for j in range(n)])
+    if op == "broadcast":
+        return pattern(root, block, dtype) if rank == root else np.zeros(block, dtype)
+    return pattern(rank, block, dtype)
+
+
+def expected(op: str, rank: int, n: int, block: int, dtype: np.dtype, redop: str, root: int) -> np.ndarray | None:
+    if op in ("gather", "reduce") and rank != root:
+        return None
+    if op in ("all_gather", "gather"):
+        return blocks(range(n), block, dtype, [0] * n)
+    if op == "scatter":
+        return pattern(rank, block, dtype)
+    if op == "all_to_all":
+        return blocks(range(n), block, dtype, [rank * block] * n)
     if op == "broadcast":
         return pattern(root, block, dtype)
     offset = rank * block if op == "reduce_scatter" else 0
@@ -82,31 +111,34 @@ class Case:
         self.size = self.block * item * (n if op in BLOCKED else 1)
         self.comm, self.op, self.dtype, self.redop, self.root = comm, op, dtype, redop, root
         self.algorithm = algorithm
-        in_count = self.block * n if op == "reduce_scatter" else self.block
-        out_count = self.block * n if op == "all_gather" else self.block
+        rooted_out = comm.rank == root or op not in ("gather", "reduce")
+        in_count = self.block * n if op in ("reduce_scatter", "all_to_all", "scatter") else self.block
+        out_count = self.block * n if op in ("all_gather", "gather", "all_to_all") else self.block
         self.src = np.zeros(in_count, dtype)
-        self.dst = self.src if inplace and op in ("all_reduce", "broadcast") else np.zeros(out_count, dtype)
+        if inplace and op in ("all_reduce", "broadcast", "reduce"):
+            self.dst: np.ndarray | None = self.src if rooted_out else None
+        else:
+            self.dst = np.zeros(out_count, dtype) if rooted_out else None
 
-    def issue(self) -> "asyncio.Future[np.ndarray]":
+    def issue(self) -> "asyncio.Future[Any]":
         kw: dict[str, Any] = {"out": self.dst, "algorithm": self.algorithm}
-        if self.op in ("all_reduce", "reduce_scatter"):
+        if self.op == "reduce":
+            return self.comm.reduce(self.src, self.redop, self.root, **kw)  # type: ignore[no-any-return]
+        if self.op in REDUCING:
             return getattr(self.comm, self.op)(self.src, self.redop, **kw)  # type: ignore[no-any-return]
-        if self.op == "broadcast":
-            return self.comm.broadcast(self.src, self.root, **kw)  # type: ignore[no-any-return]
-        return self.comm.all_gather(self.src, **kw)  # type: ignore[no-any-return]
+        if self.op in ROOTED:
+            return getattr(self.comm, self.op)(self.src, self.root, **kw)  # type: ignore[no-any-return]
+        return getattr(self.comm, self.op)(self.src, **kw)  # type: ignore[no-any-return]
 
     async def check(self) -> int:
         """Run once on known data; return the number of wrong elements on this rank."""
         rank, n = self.comm.rank, self.comm.size
-        if self.op == "reduce_scatter":
-            self.src[:] = pattern(rank, self.src.size, self.dtype)
-        elif self.op == "broadcast" and rank != self.root:
-            self.src[:] = 0
-        else:
-            self.src[:] = pattern(rank if self.op != "broadcast" else self.root, self.src.size, self.dtype)
+        self.src[:] = source(self.op, rank, n, self.block, self.dtype, self.root)
         got = await self.issue()
         want = expected(self.op, rank, n, self.block, self.dtype, self.redop, self.root)
-        if self.dtype.kind == "f":
+        if want is None:
+            wrong = 0 if got is None else got.size
+        elif self.dtype.kind == "f":
             wrong = int(np.count_nonzero(~np.isclose(got, want, rtol=1e-2 if self.dtype.itemsize == 2 else 1e-5)))
         else:
             wrong = int(np.count_nonzero(got != want))
@@ -135,48 +167,155 @@ async def measure(case: Case, warmup: int, iters: int, max_seconds: float) -> tu
     return elapsed / count * 1e6, count
 
 
+async def sweep(comm: Any, args: argparse.Namespace, algorithm: str | None) -> list[dict[str, Any]]:
+    """One nccl-tests table for ``algorithm`` (None: the selector's choice per size)."""
+    rows: list[dict[str, Any]] = []
+    dtype, n = np.dtype(args.dtype), comm.size
+    if comm.rank == 0:
+        print(f"# ahcomm-bench {args.op}  np={n}  dtype={dtype}  algorithm={algorithm or 'auto'}"
+              f"  {'in-place' if args.inplace else 'out-of-place'}  links="
+              f"{','.join(sorted({l['kind'] for l in comm.stats()['links'].values()})) or 'none'}")
+        print(f"#{'size':>12} {'count':>12} {'type':>8} {'redop':>6} {'root':>5} "
+              f"{'time(us)':>11} {'algbw':>8} {'busbw':>8} {'#wrong':>7}  algorithm", flush=True)
+    for nbytes in sizes(args.minbytes, args.maxbytes, args.stepfactor):
+        case = Case(comm, args.op, nbytes, dtype, args.redop, args.root, algorithm, args.inplace)
+        picked = algorithm or comm.explain(args.op, case.block, dtype, root=args.root)[0]
+        wrong = await case.check() if args.check else 0
+        us, count = await measure(case, args.warmup_iters, args.iters, args.max_seconds)
+        agg = await comm.all_reduce(np.array([us, float(wrong)]), "sum")
+        mean_us, total_wrong = agg[0] / n, int(agg[1])
+        algbw = case.size / (mean_us * 1e-6) / 1e9
+        redop = args.redop if args.op in REDUCING else "none"
+        root = args.root if args.op in ROOTED else -1
+        row = {"op": args.op, "size": case.size, "count": case.size // dtype.itemsize, "type": str(dtype),
+               "redop": redop, "root": root, "time_us": mean_us, "algbw": algbw,
+               "busbw": algbw * bus_factor(args.op, n), "wrong": total_wrong, "iters": count,
+               "algorithm": picked, "forced": algorithm is not None}
+        rows.append(row)
+        if comm.rank == 0:
+            print(f" {row['size']:>12} {row['count']:>12} {row['type']:>8} {redop:>6} {root:>5} "
+                  f"{mean_us:>11.1f} {algbw:>8.3f} {row['busbw']:>8.3f} {total_wrong:>7}  {picked}", flush=True)
+    if comm.rank == 0 and rows:
+        print(f"# Avg bus bandwidth    : {sum(r['busbw'] for r in rows) / len(rows):.4f}", flush=True)
+    return rows
+
+
+def runnable(comm: Any, op: str, dtype: np.dtype) -> list[str]:
+    """Algorithms that can run ``op`` on this communicator's topology."""
+    return sorted(comm.explain(op, 1, dtype)[1])
+
+
+def selection_table(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per size: the selector's pick, the fastest measured algorithm, and pick time / best time."""
+    out = []
+    for size in sorted({r["size"] for r in rows}):
+        forced = {r["algorithm"]: r["time_us"] for r in rows if r["size"] == size and r["forced"]}
+        auto = [r for r in rows if r["size"] == size and not r["forced"]]
+        if not forced or not auto:
+            continue
+        pick = auto[0]["algorithm"]
+        best = min(forced, key=lambda name: forced[name])
+        pick_time = forced.get(pick, auto[0]["time_us"])
+        out.append({"size": size, "pick": pick, "best": best, "pick_us": pick_time, "best_us": forced[best],
+                    "ratio": pick_time / forced[best] if forced[best] else 1.0})
+    return out
+
+
 async def run_rank(args: argparse.Namespace) -> list[dict[str, Any]]:
     import ahcomm
 
     comm = await ahcomm.init()
     rows: list[dict[str, Any]] = []
-    dtype = np.dtype(args.dtype)
     async with comm:
-        n = comm.size
-        if comm.rank == 0:
-            print(f"# ahcomm-bench {args.op}  np={n}  dtype={dtype}  algorithm={args.algorithm or 'auto'}"
-                  f"  {'in-place' if args.inplace else 'out-of-place'}  links="
-                  f"{','.join(sorted({l['kind'] for l in comm.stats()['links'].values()})) or 'none'}")
-            print(f"#{'size':>12} {'count':>12} {'type':>8} {'redop':>6} {'root':>5} "
-                  f"{'time(us)':>11} {'algbw':>8} {'busbw':>8} {'#wrong':>7}", flush=True)
-        for nbytes in sizes(args.minbytes, args.maxbytes, args.stepfactor):
-            case = Case(comm, args.op, nbytes, dtype, args.redop, args.root, args.algorithm, args.inplace)
-            wrong = await case.check() if args.check else 0
-            us, count = await measure(case, args.warmup_iters, args.iters, args.max_seconds)
-            agg = await comm.all_reduce(np.array([us, float(wrong)]), "sum")
-            mean_us, total_wrong = agg[0] / n, int(agg[1])
-            algbw = case.size / (mean_us * 1e-6) / 1e9
-            redop = args.redop if args.op in ("all_reduce", "reduce_scatter") else "none"
-            root = args.root if args.op == "broadcast" else -1
-            row = {"op": args.op, "size": case.size, "count": case.size // dtype.itemsize, "type": str(dtype),
-                   "redop": redop, "root": root, "time_us": mean_us, "algbw": algbw,
-                   "busbw": algbw * bus_factor(args.op, n), "wrong": total_wrong, "iters": count,
-                   "note": args.algorithm or ""}
-            rows.append(row)
-            if comm.rank == 0:
-                print(f" {row['size']:>12} {row['count']:>12} {row['type']:>8} {redop:>6} {root:>5} "
-                      f"{mean_us:>11.1f} {algbw:>8.3f} {row['busbw']:>8.3f} {total_wrong:>7}", flush=True)
-        if comm.rank == 0 and rows:
-            print(f"# Avg bus bandwidth    : {sum(r['busbw'] for r in rows) / len(rows):.4f}")
-            if args.json:
-                with open(args.json, "w") as f:
-                    json.dump({"tool": "ahcomm", "np": n, "inplace": args.inplace, "rows": rows}, f, indent=1)
+        dtype = np.dtype(args.dtype)
+        if args.algorithm == "all":
+            for name in runnable(comm, args.op, dtype):
+                rows += await sweep(comm, args, name)
+            rows += await sweep(comm, args, None)
+        else:
+            rows += await sweep(comm, args, args.algorithm)
+        table = selection_table(rows) if args.algorithm == "all" else []
+        if comm.rank == 0 and table:
+            print(f"# selector vs measured ({args.op}, np={comm.size}): pick within 10% of the best where ratio <= 1.10")
+            print(f"#{'size':>12} {'pick':>10} {'best':>10} {'pick(us)':>11} {'best(us)':>11} {'ratio':>6}")
+            for t in table:
+                print(f" {t['size']:>12} {t['pick']:>10} {t['best']:>10} {t['pick_us']:>11.1f} {t['best_us']:>11.1f} "
+                      f"{t['ratio']:>6.2f}", flush=True)
+        if comm.rank == 0 and args.json:
+            with open(args.json, "w") as f:
+                json.dump({"tool": "ahcomm", "np": comm.size, "inplace": args.inplace, "rows": rows,
+                           "selection": table}, f, indent=1)
     return rows
+
+
+CALIBRATION_BLOCKS = (8, 4 << 10, 64 << 10, 512 << 10, 2 << 20, 8 << 20)  # bytes each rank sends its peer
+
+
+async def calibrate_rank(out_path: str) -> None:
+    """In a 2-rank job: time one exchange step (pairwise all_to_all) per block size; rank 0
+    fits t = alpha + bytes * beta and writes {"alpha", "beta"} to ``out_path``."""
+    import ahcomm
+
+    async with await ahcomm.init() as comm:
+        points = []
+        for nbytes in CALIBRATION_BLOCKS:
+            case = Case(comm, "all_to_all", 2 * nbytes, np.dtype(np.uint8), "sum", 0, "pairwise", False)
+            us, _ = await measure(case, 3, 50, 0.5)
+            mean = await comm.all_reduce(np.array([us]), "max")
+            points.append((float(nbytes), float(mean[0]) * 1e-6))
+        if comm.rank == 0:
+            x = np.array([p[0] for p in points])
+            y = np.array([p[1] for p in points])
+            beta, alpha = np.polyfit(x, y, 1, w=1 / y)  # relative error: small sizes count as much as big
+            with open(out_path, "w") as f:
+                json.dump({"alpha": max(float(alpha), 1e-6), "beta": max(float(beta), 1e-12),
+                           "points": points}, f)
+
+
+def local_rates() -> tuple[float, float]:
+    """(seconds per byte reduced, seconds per byte copied), best of five passes."""
+    a, b, c = (np.ones(8 << 20, np.float32) for _ in range(3))  # 32 MiB each: memory-bound, as big calls are
+    best_add = best_copy = math.inf
+    for _ in range(5):
+        t0 = time.perf_counter()
+        np.add(a, b, out=c)
+        t1 = time.perf_counter()
+        np.copyto(c, a)
+        t2 = time.perf_counter()
+        best_add, best_copy = min(best_add, t1 - t0), min(best_copy, t2 - t1)
+    return best_add / c.nbytes, best_copy / c.nbytes
+
+
+def calibrate() -> None:
+    """Measure the cost model's numbers on this host and cache them for every later job."""
+    import tempfile
+
+    from .algorithms import _cost
+    from .run import launch
+
+    links = dict(_cost.CostModel().links)
+    with tempfile.TemporaryDirectory() as tmp:
+        for kind in ("sdma", "rdma"):
+            out = os.path.join(tmp, f"{kind}.json")
+            env = {**os.environ, "AHCOMM_TRANSPORT": kind}
+            status = asyncio.run(launch(2, [sys.executable, "-m", "ahcomm.bench", "_calibrate", "--json", out],
+                                        env=env))
+            if status != 0:
+                sys.exit(f"ahcomm-bench calibrate: the {kind} run failed with status {status}")
+            with open(out) as f:
+                fit = json.load(f)
+            links[kind] = _cost.LinkCost(alpha=fit["alpha"], beta=fit["beta"])
+            print(f"{kind}: alpha {fit['alpha'] * 1e6:.1f} us, beta {1 / fit['beta'] / 1e9:.2f} GB/s")
+    gamma, copy = local_rates()
+    print(f"reduce: {1 / gamma / 1e9:.2f} GB/s, copy: {1 / copy / 1e9:.2f} GB/s")
+    model = _cost.CostModel(links=links, gamma=gamma, copy=copy, source=f"calibrated {time.strftime('%Y-%m-%d')}")
+    print(f"saved {_cost.save(model)}")
 
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="ahcomm-bench", description=__doc__.split("\n\n")[0] if __doc__ else None)
-    p.add_argument("op", choices=OPS)
+    p.add_argument("op", choices=(*OPS, "calibrate", "_calibrate"),
+                   help="the collective to time, or 'calibrate' (measure the cost model's numbers)")
     p.add_argument("-n", "--np", dest="nproc", type=int, default=2, help="ranks to start (when not launched)")
     p.add_argument("-b", "--minbytes", type=parse_size, default=parse_size("8"))
     p.add_argument("-e", "--maxbytes", type=parse_size, default=parse_size("64M"))
@@ -189,7 +328,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("-c", "--check", type=int, default=1, help="check results against numpy (1) or not (0)")
     p.add_argument("--max-seconds", type=float, default=1.0, help="cap on timed seconds per size")
     p.add_argument("--inplace", action="store_true", help="all_reduce/broadcast in place (out is the input)")
-    p.add_argument("--algorithm", default=None, help="force an algorithm (see ahcomm.algorithms.names)")
+    p.add_argument("--algorithm", default=None,
+                   help="force an algorithm (see ahcomm.algorithms.names), or 'all': each one, then the selector")
     p.add_argument("--json", default=None, help="rank 0 writes the rows here")
     return p
 
@@ -197,6 +337,12 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parser().parse_args(argv)
+    if args.op == "calibrate":
+        calibrate()
+        return
+    if args.op == "_calibrate":
+        asyncio.run(calibrate_rank(args.json))
+        return
     if "AHCOMM_RANK" not in os.environ and "RANK" not in os.environ and "OMPI_COMM_WORLD_RANK" not in os.environ:
         from .run import launch
 
