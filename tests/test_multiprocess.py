@@ -55,6 +55,18 @@ def test_collectives_on_real_transports(n: int, transport: str) -> None:
         assert f"[{rank}] OK rank {rank}/{n} {transport} single_copy={single}" in proc.stdout, proc.stdout + proc.stderr
 
 
+@pytest.mark.parametrize("n", [2, 3, 4])
+@pytest.mark.parametrize("transport", ["sdma", "rdma"])
+def test_catalogue_on_real_transports(n: int, transport: str) -> None:
+    """Every op x every algorithm that can run it on these links, p2p and object collectives."""
+    env = {"AHCOMM_TRANSPORT": transport, "EXPECT_LINK": transport}
+    before = shm_names()
+    proc = launch(n, str(HERE / "mp_catalogue.py"), env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert shm_names() == before, "shared-memory names were left behind"
+    assert proc.stdout.count("op x algorithm cases") == n, proc.stdout + proc.stderr
+
+
 def test_sdma_without_single_copy() -> None:
     env = {"AHCOMM_TRANSPORT": "sdma", "EXPECT_LINK": "sdma", "AHCOMM_SINGLE_COPY": "0", "EXPECT_SINGLE_COPY": "0"}
     proc = launch(3, str(HERE / "mp_worker.py"), env=env)
