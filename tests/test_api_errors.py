@@ -118,3 +118,53 @@ async def test_buffer_too_small_for_ring_reduce_scatter_is_a_clear_error() -> No
         return "ok"
 
     assert await run_inproc(12, body, buffsize=1024) == ["ok"] * 12
+
+
+async def test_catalogue_bad_inputs_are_named_before_anything_is_sent() -> None:
+    async def body(comm: ahcomm.Comm) -> int:
+        x = np.ones((6, 2), np.float32)
+        with pytest.raises(ahcomm.InvalidArgument, match="reduce: root 2 is out of range for world size 2"):
+            comm.reduce(x, root=2)
+        with pytest.raises(ahcomm.InvalidArgument, match=r"scatter: x.shape\[0\] \(5\) must be divisible.*scatter_v"):
+            comm.scatter(np.ones(5))
+        with pytest.raises(ahcomm.InvalidArgument, match=r"all_to_all: x.shape\[0\] \(3\).*all_to_all_v"):
+            comm.all_to_all(np.ones(3))
+        with pytest.raises(ahcomm.InvalidArgument, match="reduce_scatter_v: counts add up to 5 rows but x has 6"):
+            comm.reduce_scatter_v(x, [2, 3])
+        with pytest.raises(ahcomm.InvalidArgument, match=r"counts must be 2 non-negative integers.*\[1, -1\]"):
+            comm.reduce_scatter_v(x, [1, -1])
+        with pytest.raises(ahcomm.InvalidArgument, match=r"all_to_all_v: send_counts must be 2"):
+            comm.all_to_all_v(x, [6])
+        with pytest.raises(ahcomm.InvalidArgument, match=r"gather_v: counts\[\d\] is 4 but this rank's x has 6 rows"):
+            comm.gather_v(x, counts=[4, 4])
+        with pytest.raises(ahcomm.InvalidArgument, match="at least one dimension"):
+            comm.all_gather_v(np.float32(1))
+        with pytest.raises(ahcomm.InvalidArgument, match="scatter_v: x is required"):
+            comm.scatter_v(None, [1, 1], root=0, out=None)
+        with pytest.raises(ahcomm.InvalidDtype, match="'band'.*float32"):
+            comm.reduce(x, "band")
+        with pytest.raises(ahcomm.InvalidArgument, match="'pairwise' cannot run reduce.*can:"):
+            comm.reduce(x, algorithm="pairwise")
+        with pytest.raises(ahcomm.InvalidArgument, match=r"reduce: out has shape \(3,\)"):
+            comm.reduce(x, root=comm.rank, out=np.empty(3, np.float32))
+        seq = comm.seq
+        # Nothing was issued: the next collective still pairs up.
+        got = await comm.reduce_scatter_v(x, [2, 4])
+        assert got.shape == ((2, 2) if comm.rank == 0 else (4, 2)) and np.all(got == 2)
+        return seq
+
+    assert await run_inproc(2, body) == [0, 0]
+
+
+async def test_ahcomm_algo_names_catalogue_algorithms_per_op() -> None:
+    """HCCL_ALGO's per-op grammar with upper-case names; alltoall= also covers all_to_all_v."""
+    seen: dict[str, str] = {}
+
+    async def body(comm: ahcomm.Comm) -> None:
+        for op, count in (("all_reduce", 8), ("all_to_all", 4), ("all_to_all_v", 4), ("all_gather", 4)):
+            seen[op] = comm.explain(op, count)[0]
+        np.testing.assert_array_equal(await comm.all_reduce(np.ones(8)), np.full(8, 3.0))
+
+    await run_inproc(3, body, algo="allreduce=level0:NHR/alltoall=level0:pairwise")
+    assert seen["all_reduce"] == "nhr" and seen["all_to_all"] == "pairwise" and seen["all_to_all_v"] == "pairwise"
+    assert seen["all_gather"] != "nhr"  # other ops keep the selector's choice
