@@ -21,7 +21,9 @@ every flag is back at 0 when the run ends (the framework's protocol rule): call 
 the last send and before ``ctx.synchronize()``.
 
 Blocks of the same (sender, receiver) pair are received in the order they are sent. Zero-
-length blocks move nothing (both sides skip them).
+length blocks move nothing (both sides skip them). A block's source must stay unchanged
+until its receiver has it (RDMA-like links send large pieces zero-copy): rewrite it only in
+a task that depends on what the receiver sent back (a later step), never in the same step.
 """
 
 from __future__ import annotations
