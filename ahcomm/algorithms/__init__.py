@@ -5,12 +5,24 @@ from __future__ import annotations
 from .base import ALIGN, Algorithm, Call, Context, Registry, Resources, Topology, aligned, pieces, split
 from .dissemination import Dissemination
 from .mesh import Mesh
+from .nb import NB
+from .nhr import NHR
+from .pairwise import Pairwise
+from .rhd import RHD
 from .ring import Ring
+from .star import Star
+from .tree import Tree
 
 REGISTRY = Registry()
 REGISTRY.register(Ring())
 REGISTRY.register(Mesh())
 REGISTRY.register(Dissemination())
+REGISTRY.register(NB())
+REGISTRY.register(Pairwise())
+REGISTRY.register(RHD())
+REGISTRY.register(NHR())
+REGISTRY.register(Tree())
+REGISTRY.register(Star())
 
 
 def register(algorithm: Algorithm) -> Algorithm:

@@ -9,6 +9,10 @@ later, once every rank is known to be past this one).
 
 Reductions combine contributions in rank order, so every rank gets the same bits.
 
+The ops that run whole (gather, scatter, all_to_all and their _v forms, all_gather_v,
+reduce_scatter_v, reduce) follow the same idea, pipelined through the owners' buffers for
+blocks of any size: see ``_mesh_whole``.
+
 Single copy: where every rank can read its peers' memory (``Topology.single_copy``; on
 one host through cross-memory attach), large all_gather, broadcast and all_reduce skip
 the staging copy. A rank posts the address of its user buffer with DataSignal and its
@@ -25,6 +29,7 @@ from typing import Callable
 
 from .._stream import Stream
 from ..transports.base import Signal
+from ._mesh_whole import OPS as WHOLE_OPS, orchestrate_whole
 from .base import Algorithm, Call, Context, Resources, Topology, aligned, split
 
 DIRECT_BYTES = 32 * 1024  # all_reduce below this: every rank reduces the whole vector itself
@@ -95,12 +100,14 @@ def _reduce_in_order(ctx: Context, dst: np.ndarray, parts: list[np.ndarray]) -> 
 
 class Mesh(Algorithm):
     name = "mesh"
-    ops = frozenset({"all_reduce", "all_gather", "reduce_scatter", "broadcast"})
+    ops = frozenset({"all_reduce", "all_gather", "reduce_scatter", "broadcast"}) | WHOLE_OPS
 
     def select(self, call: Call, topo: Topology) -> bool:
         return call.op in self.ops and topo.all_mapped
 
     def resources(self, call: Call, topo: Topology, half_bytes: int) -> Resources:
+        if call.op in WHOLE_OPS:  # never sliced: reads from up to three peers at once
+            return Resources(substreams=max(1, min(topo.size - 1, 3)))
         if single_copy(call, topo):  # user buffers are read in place: no slicing
             return Resources(substreams=max(2, min(topo.size - 1, 3)), max_count=None)
         per = half_bytes // call.itemsize
@@ -111,7 +118,9 @@ class Mesh(Algorithm):
 
     async def orchestrate(self, ctx: Context) -> None:
         op = ctx.call.op
-        if single_copy(ctx.call, ctx.topo):
+        if op in WHOLE_OPS:
+            orchestrate_whole(ctx)
+        elif single_copy(ctx.call, ctx.topo):
             {"all_gather": self._sc_all_gather, "broadcast": self._sc_broadcast,
              "all_reduce": self._sc_all_reduce}[op](ctx)
         elif op == "all_reduce":

@@ -1,4 +1,4 @@
-"""Ring: all_reduce (reduce-scatter + all-gather), all_gather, reduce_scatter, broadcast.
+"""Ring: all_reduce (reduce-scatter + all-gather), all_gather(_v), reduce_scatter(_v), broadcast, reduce.
 
 Works on any link kind and any world size. Every step sends to the next rank and
 receives from the previous one through ``SLOTS`` slots of the receiver's CCL_In:
@@ -10,6 +10,20 @@ receives from the previous one through ``SLOTS`` slots of the receiver's CCL_In:
 
 Chunks are cut into pieces of at most ``PIECE_BYTES`` so that, across the ring, puts,
 receives and reductions of successive pieces overlap (a pipelined ring).
+
+The uneven variants run the same ring with blocks sized by ``Call.counts`` (empty blocks
+move nothing); their calls are never sliced, so the reduce_scatter_v partials live in the
+run's scratch. Reduce is a pipelined chain toward the root: root + 1 sends its vector to
+root + 2, which reduces each piece with its own and forwards it, ..., up to the root. With
+P pieces that costs (n - 2 + P) (a + m / P b + m / P g), where a ring reduce-scatter
+followed by a gather of the blocks would take 2 (n - 1) a + 2 (n - 1) / n m b: the chain
+needs about half the bytes per link and half the steps.
+
+Costs (m = bytes of the whole vector, or of one block for all_gather/reduce_scatter):
+all_reduce 2 (n - 1) (a + m / n b); all_gather and reduce_scatter (n - 1) (a + m b);
+all_gather_v and reduce_scatter_v about (n - 1) a + (M - smallest block) b, M = all the
+blocks (every link carries every block but one); broadcast and reduce (n - 2 + P) (a + m /
+P b), P = ceil(m / piece) pieces of min(CCL half / SLOTS, PIECE_BYTES).
 """
 
 from __future__ import annotations
@@ -66,7 +80,8 @@ async def ring_pass(ctx: Context, sends: list[Send], recvs: list[Recv]) -> None:
 
 class Ring(Algorithm):
     name = "ring"
-    ops = frozenset({"all_reduce", "all_gather", "reduce_scatter", "broadcast"})
+    ops = frozenset({"all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_gather_v",
+                     "reduce_scatter_v", "reduce"})
 
     def resources(self, call: Call, topo: Topology, half_bytes: int) -> Resources:
         if call.op == "reduce_scatter":
@@ -87,8 +102,14 @@ class Ring(Algorithm):
             await self._all_gather(ctx)
         elif op == "reduce_scatter":
             await self._reduce_scatter(ctx)
-        else:
+        elif op == "broadcast":
             await self._broadcast(ctx)
+        elif op == "all_gather_v":
+            await self._all_gather_v(ctx)
+        elif op == "reduce_scatter_v":
+            await self._reduce_scatter_v(ctx)
+        else:
+            await self._reduce(ctx)
 
     async def _all_reduce(self, ctx: Context) -> None:
         n, r, dst = ctx.size, ctx.rank, ctx.dst
@@ -155,3 +176,59 @@ class Ring(Algorithm):
         if pos == 0 and ctx.dst is not ctx.src:
             ctx.subs[0].copy(ctx.dst, ctx.src)
         await ring_pass(ctx, sends, recvs)
+
+    async def _all_gather_v(self, ctx: Context) -> None:
+        n, r, src, dst = ctx.size, ctx.rank, ctx.src, ctx.dst
+        assert ctx.call.counts is not None
+        d = Call.displs(ctx.call.counts)
+        _, step = _piece_elems(ctx)
+        ctx.subs[0].copy(dst[d[r]:d[r + 1]], src)
+        sends: list[Send] = []
+        recvs: list[Recv] = []
+        for t in range(n - 1):
+            send_b, recv_b = (r - t) % n, (r - t - 1) % n
+            for a, b in _cut(d[send_b], d[send_b + 1], step):
+                sends.append((src[a - d[r]:b - d[r]] if t == 0 else dst[a:b], ("rx", t - 1, a) if t else None))
+            for a, b in _cut(d[recv_b], d[recv_b + 1], step):
+                recvs.append((dst[a:b], None, ("rx", t, a)))
+        await ring_pass(ctx, sends, recvs)
+
+    async def _reduce_scatter_v(self, ctx: Context) -> None:
+        n, r, src, dst = ctx.size, ctx.rank, ctx.src, ctx.dst
+        assert ctx.call.counts is not None
+        d = Call.displs(ctx.call.counts)
+        _, step = _piece_elems(ctx)
+        # Block b's partial sum lands at its own offset: every block is received once.
+        partial = ctx.scratch(d[n] if n > 2 else 0)
+        sends: list[Send] = []
+        recvs: list[Recv] = []
+        for s in range(n - 1):
+            send_b, recv_b = (r - s - 1) % n, (r - s - 2) % n
+            out, at = (dst, d[r]) if s == n - 2 else (partial, 0)
+            for a, b in _cut(d[send_b], d[send_b + 1], step):
+                sends.append((src[a:b] if s == 0 else partial[a:b], ("rx", s - 1, a) if s else None))
+            for a, b in _cut(d[recv_b], d[recv_b + 1], step):
+                recvs.append((out[a - at:b - at], src[a:b], ("rx", s, a)))
+        await ring_pass(ctx, sends, recvs)
+
+    async def _reduce(self, ctx: Context) -> None:
+        n, r, src, dst = ctx.size, ctx.rank, ctx.src, ctx.dst
+        pos = (r - ctx.call.root - 1) % n  # the chain runs root + 1 -> ... -> root (pos n - 1)
+        _, step = _piece_elems(ctx)
+        if pos == n - 1:
+            out = dst  # the root: own + the chain's partial
+        else:  # the head sends its input; the others send own + partial from their scratch
+            out = ctx.scratch(src.size) if pos else src
+        sends: list[Send] = []
+        recvs: list[Recv] = []
+        for a, b in _cut(0, src.size, step):
+            if pos:
+                recvs.append((out[a:b], src[a:b], ("rx", a)))
+            if pos < n - 1:
+                sends.append((out[a:b], ("rx", a) if pos else None))
+        await ring_pass(ctx, sends, recvs)
+
+
+def _cut(start: int, stop: int, step: int) -> list[tuple[int, int]]:
+    """[start, stop) in pieces of at most ``step``; none if empty."""
+    return [(a, min(a + step, stop)) for a in range(start, stop, step)]
