@@ -146,8 +146,8 @@ class Case:
         return wrong
 
 
-async def measure(case: Case, warmup: int, iters: int, max_seconds: float) -> tuple[float, int]:
-    """(mean us per op on this rank, iterations timed)."""
+async def measure(case: Case, warmup: int, iters: int, max_seconds: float) -> tuple[float, float, int]:
+    """(mean us per op on this rank, median us per op, iterations timed)."""
     comm = case.comm
     for _ in range(warmup):
         await case.issue()
@@ -160,11 +160,13 @@ async def measure(case: Case, warmup: int, iters: int, max_seconds: float) -> tu
     budget = int(max_seconds / est[0]) if est[0] > 0 else iters
     count = max(min(3, iters), min(iters, budget))
     await comm.barrier()
-    t0 = time.perf_counter()
-    for _ in range(count):
+    stamps = np.empty(count + 1)
+    stamps[0] = time.perf_counter()
+    for i in range(count):
         await case.issue()
-    elapsed = time.perf_counter() - t0
-    return elapsed / count * 1e6, count
+        stamps[i + 1] = time.perf_counter()
+    each = np.diff(stamps)
+    return float(each.mean()) * 1e6, float(np.median(each)) * 1e6, count
 
 
 async def sweep(comm: Any, args: argparse.Namespace, algorithm: str | None) -> list[dict[str, Any]]:
@@ -181,15 +183,15 @@ async def sweep(comm: Any, args: argparse.Namespace, algorithm: str | None) -> l
         case = Case(comm, args.op, nbytes, dtype, args.redop, args.root, algorithm, args.inplace)
         picked = algorithm or comm.explain(args.op, case.block, dtype, root=args.root)[0]
         wrong = await case.check() if args.check else 0
-        us, count = await measure(case, args.warmup_iters, args.iters, args.max_seconds)
-        agg = await comm.all_reduce(np.array([us, float(wrong)]), "sum")
-        mean_us, total_wrong = agg[0] / n, int(agg[1])
+        us, median, count = await measure(case, args.warmup_iters, args.iters, args.max_seconds)
+        agg = await comm.all_reduce(np.array([us, median, float(wrong)]), "sum")
+        mean_us, median_us, total_wrong = agg[0] / n, agg[1] / n, int(agg[2])
         algbw = case.size / (mean_us * 1e-6) / 1e9
         redop = args.redop if args.op in REDUCING else "none"
         root = args.root if args.op in ROOTED else -1
         row = {"op": args.op, "size": case.size, "count": case.size // dtype.itemsize, "type": str(dtype),
                "redop": redop, "root": root, "time_us": mean_us, "algbw": algbw,
-               "busbw": algbw * bus_factor(args.op, n), "wrong": total_wrong, "iters": count,
+               "busbw": algbw * bus_factor(args.op, n), "wrong": total_wrong, "iters": count, "median_us": median_us,
                "algorithm": picked, "forced": algorithm is not None}
         rows.append(row)
         if comm.rank == 0:
@@ -206,16 +208,17 @@ def runnable(comm: Any, op: str, dtype: np.dtype) -> list[str]:
 
 
 def selection_table(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per size: the selector's pick, the fastest measured algorithm, and pick time / best time."""
+    """Per size: the selector's pick, the fastest measured algorithm, and pick time / best time
+    (median times per op: one slow iteration on a shared host does not decide)."""
     out = []
     for size in sorted({r["size"] for r in rows}):
-        forced = {r["algorithm"]: r["time_us"] for r in rows if r["size"] == size and r["forced"]}
+        forced = {r["algorithm"]: r["median_us"] for r in rows if r["size"] == size and r["forced"]}
         auto = [r for r in rows if r["size"] == size and not r["forced"]]
         if not forced or not auto:
             continue
         pick = auto[0]["algorithm"]
         best = min(forced, key=lambda name: forced[name])
-        pick_time = forced.get(pick, auto[0]["time_us"])
+        pick_time = forced.get(pick, auto[0]["median_us"])
         out.append({"size": size, "pick": pick, "best": best, "pick_us": pick_time, "best_us": forced[best],
                     "ratio": pick_time / forced[best] if forced[best] else 1.0})
     return out
@@ -260,7 +263,7 @@ async def calibrate_rank(out_path: str) -> None:
         points = []
         for nbytes in CALIBRATION_BLOCKS:
             case = Case(comm, "all_to_all", 2 * nbytes, np.dtype(np.uint8), "sum", 0, "pairwise", False)
-            us, _ = await measure(case, 3, 50, 0.5)
+            _, us, _ = await measure(case, 3, 50, 0.5)
             mean = await comm.all_reduce(np.array([us]), "max")
             points.append((float(nbytes), float(mean[0]) * 1e-6))
         if comm.rank == 0:

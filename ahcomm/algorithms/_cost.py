@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .base import Topology
+from .base import Call, Topology
 
 
 @dataclass(frozen=True)
@@ -89,3 +89,42 @@ def save(model: CostModel) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(model.to_dict(), indent=1))
     return path
+
+
+@dataclass(frozen=True)
+class Work:
+    """What one rank does in a call, in the model's units."""
+
+    rounds: float = 0.0  # dependent steps (notify round trips on the critical path)
+    link: float = 0.0  # bytes this rank sends or receives over links (the larger)
+    reduced: float = 0.0  # bytes of reduction
+    copied: float = 0.0  # bytes copied in memory (staging, reads out of mapped peer buffers)
+
+    def seconds(self, model: CostModel, topo: Topology) -> float:
+        link = model.link(topo)
+        return (self.rounds * link.alpha + self.link * link.beta + self.reduced * model.gamma
+                + self.copied * model.copy)
+
+
+def log2up(n: int) -> int:
+    """ceil(log2 n) for n >= 1."""
+    return max(0, (n - 1).bit_length())
+
+
+def call_bytes(call: Call, n: int) -> tuple[float, float]:
+    """(whole bytes, largest per-rank block bytes) of a call.
+
+    Whole: the vector (all_reduce, broadcast, reduce), all blocks together (all_gather,
+    reduce_scatter, gather, scatter and their v variants) or, for all_to_all, the larger of
+    what this rank sends and receives. Block: the largest block one rank owns.
+    """
+    item = call.itemsize
+    if call.counts is None:
+        if call.op in ("all_gather", "reduce_scatter"):
+            return float(call.count * item * n), float(call.count * item)
+        return float(call.count * item), float(call.count * item / max(1, n))
+    if call.op.startswith("all_to_all"):
+        recv = call.recv_counts or call.counts
+        blocks = max(max(call.counts), max(recv))
+        return float(max(sum(call.counts), sum(recv)) * item), float(blocks * item)
+    return float(sum(call.counts) * item), float(max(call.counts) * item)
