@@ -20,6 +20,7 @@ Protocol rules every algorithm keeps (the executor relies on them):
 from __future__ import annotations
 
 import math
+import zlib
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -67,10 +68,26 @@ class Call:
     root: int = 0
     counts: tuple[int, ...] | None = None
     recv_counts: tuple[int, ...] | None = None
+    group: str = ""  # the communicator's identity (sub-communicators come with the multi-host work)
+    _fp: int = 0
 
     @property
     def itemsize(self) -> int:
         return self.dtype.itemsize
+
+    @property
+    def fingerprint(self) -> int:
+        """A nonzero 32-bit summary of what every rank must agree on (not ``seq``: it travels
+        beside it), computed once per call."""
+        fp = self._fp
+        if fp == 0:
+            # Sizes every rank agrees on: the per-rank counts where the op has them (a rank's own
+            # count differs across ranks there), none for all_to_all_v (each rank has its own row).
+            sizes = "" if self.op == "all_to_all_v" else self.counts if self.counts is not None else self.count
+            key = f"{self.op}|{self.dtype.str}{self.dtype.name}|{sizes}|{self.redop and self.redop.value}|" \
+                  f"{self.root}|{self.group}"
+            fp = self._fp = zlib.crc32(key.encode()) or 1
+        return fp
 
     @property
     def empty(self) -> bool:
@@ -134,6 +151,7 @@ class Context:
         self.ufunc = ufunc
         self.final = final  # the last slice of this collective
         self._scratch = scratch
+        self.fingerprint = call.fingerprint
         self._locals: dict[Hashable, Notify] = {}
         self._error: BaseException | None = None
         for stream in (main, *self.subs):
@@ -156,9 +174,10 @@ class Context:
                 flag.fail(error)
 
     def post(self, stream: Stream, peer: int, signal: Signal, index: int = 0, value: int = 0) -> None:
-        """Enqueue: set ``peer``'s flag (signal, index) for this collective, carrying ``value``."""
-        link, seq = self.links[peer], self.call.seq
-        stream.submit(lambda: link.post(signal, index, seq, value))
+        """Enqueue: set ``peer``'s flag (signal, index) for this collective, carrying ``value``
+        (and the call's fingerprint, which the peer checks against its own call)."""
+        link, seq, fp = self.links[peer], self.call.seq, self.fingerprint
+        stream.submit(lambda: link.post(signal, index, seq, value, fp))
 
     def wait(self, stream: Stream, peer: int, signal: Signal, index: int = 0) -> None:
         """Enqueue: wait for the flag ``peer`` posts on us."""

@@ -19,11 +19,12 @@ import zmq
 
 from .._buffers import CclBuffers
 from .._errors import TransportError
-from .base import BUFFER_NAMES, Link, ProgressHook
+from .base import BUFFER_NAMES, MAX_CONTROL, Link, ProgressHook
 
-# kind, signal-or-buffer, index, nbytes, seq, offset (a signal's value travels as its offset)
+# kind, signal-or-buffer, index, nbytes, seq, offset (a signal's value travels as its offset,
+# the fingerprint of the sender's call as its nbytes)
 HEADER = struct.Struct("<BBHIqQ")
-MSG_SIGNAL, MSG_PUT, MSG_DATA_ACK, MSG_PROGRESS, MSG_ABORT, MSG_P2P, MSG_P2P_ACK = 1, 2, 3, 4, 5, 6, 7
+MSG_SIGNAL, MSG_PUT, MSG_DATA_ACK, MSG_PROGRESS, MSG_ABORT, MSG_P2P, MSG_P2P_ACK, MSG_CONTROL = 1, 2, 3, 4, 5, 6, 7, 8
 MAX_REASON = 1024
 MAX_META = 4096  # bytes of a point-to-point message's metadata frame
 RANK_ID = struct.Struct("<I")
@@ -87,7 +88,7 @@ class Channel:
                 else:
                     kind, a, index, nbytes, seq, offset = unpack(header)
                     if kind == MSG_SIGNAL:  # the hot path: no further frames by protocol
-                        link.deliver(a, index, seq, offset)
+                        link.deliver(a, index, seq, offset, nbytes)
                         frames_left = False
                     else:
                         frames_left = link.on_message(kind, a, index, nbytes, seq, offset, router)
@@ -140,11 +141,17 @@ class ZmqLink(Link):
         except zmq.ZMQError as exc:
             raise TransportError(f"link {self.rank}->{self.peer}: send failed: {exc}") from exc
 
-    def post(self, signal: int, index: int, seq: int, value: int = 0) -> None:
+    def post(self, signal: int, index: int, seq: int, value: int = 0, fingerprint: int = 0) -> None:
         if self._error is not None:
             raise self._error
         self.signals_sent += 1
-        self._send(MSG_SIGNAL, signal, index, seq, 0, value)
+        self._send(MSG_SIGNAL, signal, index, seq, fingerprint, value)
+
+    def send_control(self, payload: bytes) -> None:
+        if len(payload) > MAX_CONTROL:
+            raise TransportError(f"link {self.rank}->{self.peer}: control message of {len(payload)} bytes "
+                                 f"(at most {MAX_CONTROL})")
+        self._send(MSG_CONTROL, 0, 0, 0, len(payload), 0, payload)
 
     def send_progress(self, seq: int) -> None:
         if self._error is None:
@@ -196,12 +203,17 @@ class ZmqLink(Link):
                    sock: zmq.Socket[Any]) -> bool:
         """Handle one message; return True if frames of it are left unread."""
         if kind == MSG_SIGNAL:
-            self.deliver(a, index, seq, offset)
+            self.deliver(a, index, seq, offset, nbytes)
         elif kind == MSG_PROGRESS:
             self.progress(seq)
         elif kind == MSG_ABORT:
             reason = sock.recv(zmq.NOBLOCK) if sock.getsockopt(zmq.RCVMORE) else b""
             self.peer_aborted(bytes(reason[:MAX_REASON]).decode(errors="replace"))
+        elif kind == MSG_CONTROL:
+            payload = sock.recv(zmq.NOBLOCK) if sock.getsockopt(zmq.RCVMORE) else b""
+            if len(payload) > MAX_CONTROL or len(payload) != nbytes:
+                raise TransportError(f"link {self.peer}->{self.rank}: malformed control message")
+            self.control(bytes(payload))
         elif kind == MSG_P2P:
             self._on_p2p(index, seq, nbytes, sock)
             return False

@@ -49,6 +49,9 @@ class MemoryRunner(Protocol):
 
 ProgressHook = Callable[[int, int], None]  # (peer, seq of the peer's latest message)
 AbortHook = Callable[[int, str], None]  # (peer, reason)
+FingerprintHook = Callable[[int, int, int], None]  # (peer, seq, fingerprint of the peer's call)
+ControlHook = Callable[[int, bytes], None]  # (peer, payload)
+MAX_CONTROL = 64 * 1024  # bytes of one control message
 MessageKey = tuple[int, int]  # (user tag, per-pair sequence number) of a point-to-point message
 Message = tuple[bytes, Any]  # (metadata, bytes-like payload)
 
@@ -71,6 +74,8 @@ class Link(ABC):
         self._on_progress = on_progress
         self._error: BaseException | None = None
         self.on_abort: AbortHook | None = None  # set by the communicator
+        self.on_fingerprint: FingerprintHook | None = None  # set by the communicator
+        self.on_control: ControlHook | None = None  # set by the communicator
         self.bytes_sent = 0
         self.bytes_received = 0
         self.signals_sent = 0
@@ -90,8 +95,14 @@ class Link(ABC):
             self._notifies[key] = flag
         return flag
 
-    def deliver(self, signal: int, index: int, seq: int, value: int = 0) -> None:
-        """Called by the transport when the peer posted ``signal`` (carrying ``value``) on us."""
+    def deliver(self, signal: int, index: int, seq: int, value: int = 0, fingerprint: int = 0) -> None:
+        """Called by the transport when the peer posted ``signal`` (carrying ``value``) on us.
+
+        ``fingerprint`` (nonzero) summarises the peer's call ``seq``; the communicator's
+        ``on_fingerprint`` hook compares it with its own before the flag is set.
+        """
+        if fingerprint and self.on_fingerprint is not None:
+            self.on_fingerprint(self.peer, seq, fingerprint)
         self._values[(int(signal), index, seq & 1)] = value
         self.notify(signal, index, seq).post()
         self.progress(seq)
@@ -108,8 +119,19 @@ class Link(ABC):
         await self.notify(signal, index, seq).wait()
 
     @abstractmethod
-    def post(self, signal: int, index: int, seq: int, value: int = 0) -> None:
-        """Set the peer's flag for this link; ``value`` travels with it (e.g. a buffer address)."""
+    def post(self, signal: int, index: int, seq: int, value: int = 0, fingerprint: int = 0) -> None:
+        """Set the peer's flag for this link; ``value`` (e.g. a buffer address) and the
+        32-bit ``fingerprint`` of this rank's call travel with it."""
+
+    @abstractmethod
+    def send_control(self, payload: bytes) -> None:
+        """Send a small control message (at most ``MAX_CONTROL`` bytes) to the peer's
+        ``on_control`` hook: status queries, call descriptions, heartbeats of the layers above."""
+
+    def control(self, payload: bytes) -> None:
+        """Called by the transport when the peer sent a control message."""
+        if self.on_control is not None:
+            self.on_control(self.peer, payload)
 
     @abstractmethod
     def send_progress(self, seq: int) -> None:

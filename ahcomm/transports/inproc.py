@@ -12,7 +12,7 @@ from typing import Any, Awaitable
 import numpy as np
 
 from .._buffers import CclBuffers
-from .base import Link, MappedAccess, MemoryRunner, MessageKey, ProgressHook, as_bytes
+from .base import MAX_CONTROL, Link, MappedAccess, MemoryRunner, MessageKey, ProgressHook, as_bytes
 
 
 def _memmove(dst: np.ndarray, addr: int) -> None:
@@ -28,10 +28,16 @@ class InprocLink(MappedAccess, Link):
         self._remote = (peer_buffers.ccl_in.array, peer_buffers.ccl_out.array)
         self.twin: InprocLink | None = None  # the peer's link back to us
 
-    def post(self, signal: int, index: int, seq: int, value: int = 0) -> None:
+    def post(self, signal: int, index: int, seq: int, value: int = 0, fingerprint: int = 0) -> None:
         assert self.twin is not None
         self.signals_sent += 1
-        self.twin.deliver(signal, index, seq, value)
+        self.twin.deliver(signal, index, seq, value, fingerprint)
+
+    def send_control(self, payload: bytes) -> None:
+        assert self.twin is not None
+        if len(payload) > MAX_CONTROL:
+            raise ValueError(f"control message of {len(payload)} bytes (at most {MAX_CONTROL})")
+        self.twin.control(bytes(payload))
 
     def read(self, dst: np.ndarray, addr: int, run: MemoryRunner) -> "Awaitable[Any] | None":
         self.bytes_received += dst.nbytes
