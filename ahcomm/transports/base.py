@@ -76,6 +76,7 @@ class Link(ABC):
         self.on_abort: AbortHook | None = None  # set by the communicator
         self.on_fingerprint: FingerprintHook | None = None  # set by the communicator
         self.on_control: ControlHook | None = None  # set by the communicator
+        self.on_lost: AbortHook | None = None  # set by the communicator: the peer died or went silent
         self.bytes_sent = 0
         self.bytes_received = 0
         self.signals_sent = 0
@@ -145,6 +146,11 @@ class Link(ABC):
         """Called by the transport when the peer aborted."""
         if self.on_abort is not None:
             self.on_abort(self.peer, reason)
+
+    def peer_lost(self, reason: str) -> None:
+        """Called by the transport when the peer is gone (its socket closed, heartbeats stopped)."""
+        if self.on_lost is not None:
+            self.on_lost(self.peer, reason)
 
     # -- data -----------------------------------------------------------------------------
     def remote(self, buf: str) -> np.ndarray:
