@@ -1,0 +1,46 @@
+"""A rank program for the multi-host tests (ranks in network namespaces): links to ranks on
+this host must be sdma and to other hosts rdma; every op x algorithm against numpy; the
+byte counters show where the traffic went. MH_LAYOUT gives ranks per host, e.g. "3,1"."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+
+import ahcomm
+from mp_catalogue import OPS, check
+
+
+async def main() -> None:
+    layout = [int(c) for c in os.environ["MH_LAYOUT"].split(",")]
+    host_of = [h for h, count in enumerate(layout) for _ in range(count)]
+    comm = await ahcomm.init()
+    r, n = comm.rank, comm.size
+    links = comm.stats()["links"]
+    for peer, link in links.items():
+        want = "sdma" if host_of[peer] == host_of[r] else "rdma"
+        assert link["kind"] == want, (r, peer, link["kind"], want)
+    assert comm.topology.servers == len(layout), comm.topology
+    cases = 0
+    for op in OPS:
+        for algo in sorted(comm.explain(op, 1)[1]):
+            for big in (False, True):
+                cases += 1
+                try:
+                    await check(comm, op, algo, cases, big)
+                except AssertionError as exc:
+                    raise AssertionError(f"{op} algorithm={algo} case={cases} big={big}: {exc}") from None
+    moved = {kind: sum(l["bytes_sent"] for l in comm.stats()["links"].values() if l["kind"] == kind)
+             for kind in ("sdma", "rdma")}
+    await comm.close()
+    print(f"OK rank {r}/{n} host {host_of[r]} cases={cases} sdma_bytes={moved['sdma']} rdma_bytes={moved['rdma']}",
+          flush=True)
+
+
+if __name__ == "__main__":
+    try:
+        asyncio.run(main())
+    except Exception as exc:
+        print(f"FAIL rank {os.environ.get('AHCOMM_RANK')}: {exc!r}", file=sys.stderr, flush=True)
+        raise
