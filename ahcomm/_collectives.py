@@ -155,12 +155,7 @@ class BlockedCollectives:
         """
         self._check_root(root, "scatter")
         arr = self._template(x, out, "scatter", root)
-        if arr.ndim == 0 or arr.shape[0] % self.size:
-            rows_txt = arr.shape[0] if arr.ndim else "a 0-d array"
-            raise InvalidArgument(f"scatter: x.shape[0] ({rows_txt}) must be divisible by the world size "
-                                  f"({self.size}); for uneven blocks use scatter_v")
-        rows = (arr.shape[0] // self.size,) * self.size
-        return self._scatter(arr, root, rows, out, algorithm, "scatter")
+        return self._scatter(arr, root, self._even_rows(arr, "scatter"), out, algorithm, "scatter")
 
     def scatter_v(self, x: Any, counts: Sequence[int], root: int = 0, *, out: np.ndarray | None = None,
                   algorithm: str | None = None) -> "asyncio.Future[np.ndarray]":
@@ -180,11 +175,7 @@ class BlockedCollectives:
         """Block j (axis 0, divisible by the world size) of ``x`` goes to rank j; the result
         holds the block every rank sent here, in rank order (same shape as ``x``)."""
         arr, _ = self._input(x, "all_to_all")
-        if arr.ndim == 0 or arr.shape[0] % self.size:
-            rows_txt = arr.shape[0] if arr.ndim else "a 0-d array"
-            raise InvalidArgument(f"all_to_all: x.shape[0] ({rows_txt}) must be divisible by the world size "
-                                  f"({self.size}); for uneven blocks use all_to_all_v")
-        rows = (arr.shape[0] // self.size,) * self.size
+        rows = self._even_rows(arr, "all_to_all")
         return self._all_to_all(arr, rows, rows, out, algorithm, "all_to_all")
 
     def all_to_all_v(self, x: Any, send_counts: Sequence[int], *, recv_counts: Sequence[int] | None = None,
@@ -214,6 +205,14 @@ class BlockedCollectives:
             if strided:
                 np.copyto(result, dst.reshape(result.shape))
         return finish
+
+    def _even_rows(self, arr: np.ndarray, what: str) -> tuple[int, ...]:
+        """Rows per rank when axis 0 splits evenly over the ranks; else an error naming the _v op."""
+        if arr.ndim == 0 or arr.shape[0] % self.size:
+            rows = arr.shape[0] if arr.ndim else "a 0-d array"
+            raise InvalidArgument(f"{what}: x.shape[0] ({rows}) must be divisible by the world size ({self.size}); "
+                                  f"pad x to a multiple of {self.size} rows, or for uneven blocks use {what}_v")
+        return (arr.shape[0] // self.size,) * self.size
 
     def _check_rows(self, arr: np.ndarray, what: str) -> None:
         if arr.ndim == 0:

@@ -9,7 +9,7 @@ import os
 import sys
 
 import ahcomm
-from mp_catalogue import OPS, check
+from mp_catalogue import run_catalogue
 
 
 async def main() -> None:
@@ -22,15 +22,7 @@ async def main() -> None:
         want = "sdma" if host_of[peer] == host_of[r] else "rdma"
         assert link["kind"] == want, (r, peer, link["kind"], want)
     assert comm.topology.servers == len(layout), comm.topology
-    cases = 0
-    for op in OPS:
-        for algo in sorted(comm.explain(op, 1)[1]):
-            for big in (False, True):
-                cases += 1
-                try:
-                    await check(comm, op, algo, cases, big)
-                except AssertionError as exc:
-                    raise AssertionError(f"{op} algorithm={algo} case={cases} big={big}: {exc}") from None
+    cases = await run_catalogue(comm)
     moved = {kind: sum(l["bytes_sent"] for l in comm.stats()["links"].values() if l["kind"] == kind)
              for kind in ("sdma", "rdma")}
     await comm.close()

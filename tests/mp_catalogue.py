@@ -101,12 +101,9 @@ async def check(comm: ahcomm.Comm, op: str, algo: str, salt: int, big: bool) -> 
         np.testing.assert_array_equal(got.data, np.concatenate(want))
 
 
-async def main() -> None:
-    comm = await ahcomm.init()
-    r, n = comm.rank, comm.size
-    kinds = {link["kind"] for link in comm.stats()["links"].values()}
-    assert kinds == {os.environ["EXPECT_LINK"]}, kinds
-    salt, ran = 0, 0
+async def run_catalogue(comm: ahcomm.Comm) -> int:
+    """Every op x every algorithm that can run it here, small and big; returns the case count."""
+    salt = 0
     for op in OPS:
         for algo in sorted(comm.explain(op, 1)[1]):
             for big in (False, True):
@@ -115,6 +112,15 @@ async def main() -> None:
                     await check(comm, op, algo, salt, big)
                 except AssertionError as exc:
                     raise AssertionError(f"{op} algorithm={algo} salt={salt} big={big}: {exc}") from None
+    return salt
+
+
+async def main() -> None:
+    comm = await ahcomm.init()
+    r, n = comm.rank, comm.size
+    kinds = {link["kind"] for link in comm.stats()["links"].values()}
+    assert kinds == {os.environ["EXPECT_LINK"]}, kinds
+    ran = await run_catalogue(comm)
                 ran += 1
     # point-to-point around the ring, a big message included, and the object collectives
     x = np.arange(300_000, dtype=np.float32) + r
