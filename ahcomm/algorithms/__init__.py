@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from .base import ALIGN, Algorithm, Call, Context, Registry, Resources, Topology, aligned, pieces, split
 from .dissemination import Dissemination
+from .hierarchical import Hierarchical
 from .mesh import Mesh
 from .nb import NB
 from .nhr import NHR
@@ -23,6 +24,7 @@ REGISTRY.register(RHD())
 REGISTRY.register(NHR())
 REGISTRY.register(Tree())
 REGISTRY.register(Star())
+REGISTRY.register(Hierarchical())
 
 
 def register(algorithm: Algorithm) -> Algorithm:

@@ -1,0 +1,211 @@
+"""The pieces of the hierarchical algorithm: the servers' layout, its streams, the level-1
+collectives it runs among one rank per server (ring and RHD all_reduce, chain and binomial
+broadcast trees) on a ``Lane`` (sends on one stream, receives on another), and the pricing
+of its two levels at their own link kinds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Iterator
+
+import numpy as np
+
+from .._stream import Stream
+from ._channels import Channels
+from ._cost import CostModel, LinkCost, Work, log2up
+from .base import Context, Topology, split
+from .rhd import Fold
+
+
+class Layout:
+    """The servers of a job and who owns what on them.
+
+    Servers are numbered in the order of their lowest rank, their ranks kept in rank order
+    (local rank j = the j-th). G = the most ranks on one server. A vector is cut into G
+    chunks; on a server of L ranks, local rank ``c % L`` owns chunk c. A rank's block
+    (all_gather, reduce_scatter) is owned on its own server by the rank itself and, on
+    every other server, by one of its ranks, round-robin over the blocks of the other servers.
+    """
+
+    def __init__(self, topo: Topology) -> None:
+        names = list(dict.fromkeys(topo.hosts))
+        self.ranks = [[r for r, h in enumerate(topo.hosts) if h == name] for name in names]
+        self.server = [names.index(h) for h in topo.hosts]
+        self.S = len(names)
+        self.G = max(len(r) for r in self.ranks)
+        self.me = topo.rank
+        self.s = self.server[self.me]
+        self.local = self.ranks[self.s]
+        self.peers = [p for p in self.local if p != self.me]
+        self._holders = [self._hold(s, topo.size) for s in range(self.S)]
+
+    def _hold(self, s: int, n: int) -> list[int]:
+        ranks = self.ranks[s]
+        others = [b for b in range(n) if self.server[b] != s]
+        out = list(range(n))
+        for i, b in enumerate(others):
+            out[b] = ranks[i % len(ranks)]
+        return out
+
+    def owner(self, s: int, c: int) -> int:
+        """The rank of server ``s`` that owns chunk ``c``."""
+        ranks = self.ranks[s]
+        return ranks[c % len(ranks)]
+
+    def group(self, c: int) -> list[int]:
+        """The owners of chunk ``c``, one per server, in server order."""
+        return [self.owner(s, c) for s in range(self.S)]
+
+    def holder(self, s: int, b: int) -> int:
+        """The rank of server ``s`` that owns rank ``b``'s block."""
+        return self._holders[s][b]
+
+    def sizes(self) -> list[int]:
+        return [len(r) for r in self.ranks]
+
+
+@lru_cache(maxsize=64)
+def layout(topo: Topology) -> Layout:
+    return Layout(topo)
+
+
+@dataclass
+class Streams:
+    """A run's streams: level 1 sends (main) and receives, level 0 receives, one level-0 send
+    stream per local peer (Channels: all sends to one peer on one stream, so do a phase's
+    sends to several peers never wait for each other)."""
+
+    tx1: Stream
+    rx1: Stream
+    rx0: Stream
+    tx0: dict[int, Stream]
+
+    @staticmethod
+    def of(ctx: Context, lay: Layout) -> "Streams":
+        return Streams(ctx.main, ctx.subs[0], ctx.subs[1], {p: ctx.subs[2 + i] for i, p in enumerate(lay.peers)})
+
+
+class Lane:
+    """Sends on ``tx`` and receives on ``rx`` through shared Channels (rhd.Mover on given
+    streams): a send waits, piece by piece, for the receives of this lane into the same
+    array that it overlaps, so forwarding overlaps the arrival."""
+
+    def __init__(self, ctx: Context, ch: Channels, tx: Stream, rx: Stream, tag: object) -> None:
+        self.ctx, self.ch, self.tx, self.rx, self.tag = ctx, ch, tx, rx, tag
+        self._landed: list[tuple[np.ndarray, int, int]] = []
+        self._waited: set[tuple[int, int]] = set()
+
+    def send(self, peer: int, arr: np.ndarray, lo: int, hi: int) -> None:
+        step = self.ch.step
+        for a in range(lo, hi, step):
+            b = min(a + step, hi)
+            for key in self._needed(arr, a, b):
+                self.tx.wait(self.ctx.local(key))
+            self.ch.send(self.tx, peer, arr[a:b])
+
+    def recv(self, peer: int, arr: np.ndarray, lo: int, hi: int, operand: np.ndarray | None = None) -> None:
+        key = len(self._landed)
+        self._landed.append((arr, lo, hi))
+        self.ch.recv(self.rx, peer, arr[lo:hi], reduce_with=operand, done=[("lane", self.tag, key)])
+
+    def _needed(self, arr: np.ndarray, a: int, b: int) -> Iterator[tuple[tuple[str, object, int], int]]:
+        step = self.ch.step
+        for key, (into, lo, hi) in enumerate(self._landed):
+            if into is not arr or hi <= a or b <= lo:
+                continue
+            for i in range((max(a, lo) - lo) // step, (min(b, hi) - 1 - lo) // step + 1):
+                if (key, i) not in self._waited:
+                    self._waited.add((key, i))
+                    yield ("lane", self.tag, key), i
+
+
+def ring_all_reduce(lane: Lane, members: list[int], q: int, w: np.ndarray) -> None:
+    """All_reduce ``w`` in place among ``members`` (this rank is members[q]): a ring."""
+    n = len(members)
+    subs = split(w.size, n)
+    nxt, prv = members[(q + 1) % n], members[(q - 1) % n]
+    for t in range(n - 1):  # reduce-scatter: member q ends with sub (q + 1) reduced
+        lane.send(nxt, w, *subs[(q - t) % n])
+        a, b = subs[(q - t - 1) % n]
+        lane.recv(prv, w, a, b, operand=w[a:b])
+    for t in range(n - 1):  # all-gather
+        lane.send(nxt, w, *subs[(q + 1 - t) % n])
+        lane.recv(prv, w, *subs[(q - t) % n])
+
+
+def rhd_all_reduce(lane: Lane, members: list[int], q: int, w: np.ndarray) -> None:
+    """All_reduce ``w`` in place among ``members``: recursive halving-doubling (rhd.py's
+    schedule, with the fold of a member count that is not a power of two)."""
+    fold, count = Fold(len(members)), w.size
+    v = fold.virtual(q)
+    if v is None:  # the even member of a folded pair: hand over, get the result back
+        lane.send(members[q + 1], w, 0, count)
+        lane.recv(members[q + 1], w, 0, count)
+        return
+    bounds = [a for a, _ in split(count, fold.p)] + [count]
+    if q < 2 * fold.r:
+        lane.recv(members[q - 1], w, 0, count, operand=w)
+    for peer, give, keep in fold.halving(v):
+        c, d = bounds[keep[0]], bounds[keep[1]]
+        lane.send(members[peer], w, bounds[give[0]], bounds[give[1]])
+        lane.recv(members[peer], w, c, d, operand=w[c:d])
+    for peer, mine, theirs in fold.doubling(v):
+        lane.send(members[peer], w, bounds[mine[0]], bounds[mine[1]])
+        lane.recv(members[peer], w, bounds[theirs[0]], bounds[theirs[1]])
+    if q < 2 * fold.r:
+        lane.send(members[q - 1], w, 0, count)
+
+
+def tree(v: int, n: int, chain: bool) -> tuple[int | None, list[int]]:
+    """(parent, children) of position ``v`` in a broadcast tree over positions 0..n-1 rooted
+    at 0: a chain (v - 1 -> v -> v + 1) or a binomial tree (children v + 2^k, farthest first)."""
+    if chain:
+        return (v - 1 if v else None), ([v + 1] if v + 1 < n else [])
+    top = v.bit_length()  # children are v + 2^k for 2^k > v's highest bit
+    kids = [v + (1 << k) for k in range(top, max(1, n).bit_length()) if v + (1 << k) < n]
+    parent = v - (1 << (top - 1)) if v else None
+    return parent, kids[::-1]
+
+
+def group_all_reduce(n: int, ring: bool) -> tuple[int, float]:
+    """(steps, bytes moved per byte of the vector) of an all_reduce among ``n`` by ring or RHD."""
+    if ring:
+        return 2 * (n - 1), 2 * (n - 1) / n
+    p = 1 << (n.bit_length() - 1)
+    return 2 * log2up(p) + 2 * (p < n), 2 * (p - 1) / p + 2 * (p < n)
+
+
+class Price:
+    """Seconds of the two levels' ``Work``: level 0 at the link kind inside a server, level 1
+    at the kind between servers, both the same on every rank. Level 1 is the slowest kind to
+    another server; level 0 the slowest kind to a local peer where every server has one, else
+    what a same-host link is by default (sdma where servers are joined by rdma)."""
+
+    def __init__(self, lay: Layout, topo: Topology, model: CostModel) -> None:
+        self.topo, self.model = topo, model
+        remote = {topo.link_kinds[p] for p in range(topo.size) if lay.server[p] != lay.s}
+        inner = {topo.link_kinds[p] for p in lay.peers} if min(lay.sizes()) > 1 else \
+            {"sdma" if k == "rdma" else k for k in remote}
+        self.link0, self.link1 = self._slowest(inner), self._slowest(remote)
+
+    def _slowest(self, kinds: set[str]) -> LinkCost:
+        costs = [self.model.links.get(k, self.model.links["rdma"]) for k in kinds]
+        return max(costs, key=lambda c: (c.beta, c.alpha))
+
+    def seconds(self, work: Work, link: LinkCost, parts: int = 1) -> float:
+        """Work.seconds at ``link``; with ``parts``, one of that many pipelined segments."""
+        m = self.model
+        cpu = (work.tasks * m.task + work.link * link.beta + work.reduced * m.gamma + work.copied * m.copy) / parts
+        return work.rounds * link.alpha * m.hop(self.topo) + cpu * m.slowdown(self.topo, work.busy, work.streams)
+
+    def segmented(self, w0: Work, w1: Work, parts: int) -> float:
+        """Level 0 then level 1 per segment, segment k + 1's level 0 beside segment k's level 1."""
+        t0, t1 = self.seconds(w0, self.link0, parts), self.seconds(w1, self.link1, parts)
+        return t0 + t1 + (parts - 1) * max(t0, t1)
+
+    def overlapped(self, w0: Work, w1: Work) -> float:
+        """Both levels forwarding piece by piece: their steps add up, their bytes overlap."""
+        s0, s1 = self.seconds(Work(rounds=w0.rounds), self.link0), self.seconds(Work(rounds=w1.rounds), self.link1)
+        return s0 + s1 + max(self.seconds(w0, self.link0) - s0, self.seconds(w1, self.link1) - s1)
