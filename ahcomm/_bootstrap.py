@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import os
 from typing import Any
 
@@ -24,6 +25,7 @@ from .algorithms._cost import load as load_cost_model
 from .algorithms._executor import Progress
 from .algorithms._selection import Selector
 from .algorithms.base import Topology
+from .transports._auth import Credentials
 from .transports._zmq import Channel
 from .transports.base import Link, Signal
 from .transports.inproc import InprocWorld
@@ -31,6 +33,7 @@ from .transports.rdma import RdmaLink
 from .transports.sdma import SdmaLink
 
 HELLO_INDEX = 0xFFFF  # notify index of the connection handshake (never used by algorithms)
+log = logging.getLogger("ahcomm.security")
 
 
 def _resolve_config(config: Config | None, rank: int | None, world_size: int | None,
@@ -41,6 +44,9 @@ def _resolve_config(config: Config | None, rank: int | None, world_size: int | N
     port = cfg.master_port if master_port is None else master_port
     if master_addr is not None:
         cfg = dataclasses.replace(cfg, master_addr=master_addr)
+    if cfg.master_addr.strip() in ("0.0.0.0", "*", "::", "[::]", ""):
+        raise ConfigError(f"master address {cfg.master_addr!r} is a wildcard: rank 0 binds the master address "
+                          "itself, so name the address of one interface (AHCOMM_MASTER_ADDR)")
     if size is None or rank is None:
         raise ConfigError("rank and world size are unknown: run under ahcomm-run (or torchrun, mpirun, srun), "
                           "set AHCOMM_RANK/AHCOMM_WORLD_SIZE, or pass rank= and world_size= to init()")
@@ -49,6 +55,7 @@ def _resolve_config(config: Config | None, rank: int | None, world_size: int | N
     if size > 1 and port is None:
         raise ConfigError("the rendezvous port is unknown: set AHCOMM_MASTER_PORT (or MASTER_PORT) "
                           "or pass master_port= to init()")
+    cfg.check_security(size)
     return cfg, rank, size, port or 0
 
 
@@ -63,10 +70,14 @@ async def create(config: Config | None = None, *, rank: int | None = None, world
     links: dict[int, Link] = {}
     progress = Progress(rank, size)
     cost_model = load_cost_model()
+    creds = Credentials.derive(cfg.job_secret, cfg.encrypt)
+    if size > 1 and not creds.secure and rank == 0:
+        log.warning("AHCOMM_INSECURE=1 and no AHCOMM_JOB_SECRET: this job's connections are not authenticated")
     try:
         if size > 1:
             tcp_host = cfg.if_ip or local_address(cfg.master_addr)
-            channel = Channel(rank, buffers, ipc=shared, tcp_host=tcp_host)
+            channel = Channel(rank, buffers, ipc=shared, tcp_host=tcp_host, creds=creds, heartbeat=cfg.heartbeat,
+                              max_message=cfg.max_message)
             info = {
                 "rank": rank, "size": size, "host": host, "endpoints": channel.endpoints,
                 "shm": [buffers.ccl_in.name, buffers.ccl_out.name] if shared else None,
@@ -75,13 +86,16 @@ async def create(config: Config | None = None, *, rank: int | None = None, world
             }
             if rank == 0:  # every rank selects algorithms with rank 0's cost model
                 info["tuning"] = cost_model.to_dict()
-            table = await _rendezvous(rank, size, port, cfg, info)
+            table = await _rendezvous(rank, size, port, cfg, info, creds)
             links = _connect(rank, table, channel, cfg, host, progress)
             channel.start()
             await _handshake(rank, links, cfg.connect_timeout)
             buffers.unlink()  # every peer has mapped our buffers: no name left to leak
             hosts = tuple(e["host"] for e in table)
-            cost_model = CostModel.from_dict(table[0].get("tuning") or {})
+            try:
+                cost_model = CostModel.from_dict(table[0].get("tuning") or {})
+            except (TypeError, ValueError, KeyError) as exc:
+                raise ConnectError(f"rank {rank}: rank 0's cost model is malformed: {exc}") from None
         else:
             hosts = (host,)
     except BaseException:
@@ -112,12 +126,13 @@ async def _agree_single_copy(comm: Comm, mine: bool) -> None:
     comm._set_topology(dataclasses.replace(comm.topology, single_copy=bool(agreed[0])))
 
 
-async def _rendezvous(rank: int, size: int, port: int, cfg: Config, info: dict[str, Any]) -> list[dict[str, Any]]:
+async def _rendezvous(rank: int, size: int, port: int, cfg: Config, info: dict[str, Any],
+                      creds: Credentials) -> list[dict[str, Any]]:
     """Register with rank 0 (rank 0 also serves); a failure of either side surfaces at once."""
-    client = asyncio.ensure_future(register(cfg.master_addr, port, info, cfg.connect_timeout))
+    client = asyncio.ensure_future(register(cfg.master_addr, port, info, cfg.connect_timeout, creds))
     if rank != 0:
         return await client
-    server = asyncio.ensure_future(serve(cfg.master_addr, port, size, cfg.connect_timeout))
+    server = asyncio.ensure_future(serve(cfg.master_addr, port, size, cfg.connect_timeout, creds))
     done, _ = await asyncio.wait({client, server}, return_when=asyncio.FIRST_EXCEPTION)
     for task in done:
         if task.exception() is not None:
@@ -159,7 +174,9 @@ async def _handshake(rank: int, links: dict[int, Link], timeout: float) -> None:
                 await link.wait(Signal.ACK, HELLO_INDEX, 0)
     except TimeoutError:
         silent = [p for p, link in links.items() if link.notify(Signal.ACK, HELLO_INDEX, 0).value == 0]
-        raise ConnectError(f"rank {rank}: links to ranks {silent} did not come up within {timeout:g} s") from None
+        raise ConnectError(f"rank {rank}: links to ranks {silent} did not come up within {timeout:g} s "
+                           "(a rank with another AHCOMM_JOB_SECRET is refused: see the ahcomm.security warnings)"
+                           ) from None
 
 
 async def create_inprocess(size: int, *, buffsize: int | None = None, algo: str = "",

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Mapping
 
 from ._errors import ConfigError
 
 MiB = 1 << 20
+MIN_SECRET = 16  # characters of AHCOMM_JOB_SECRET
 
 # Each tuple is tried in order; the first variable that is set wins.
 _RANK_VARS = ("AHCOMM_RANK", "RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "SLURM_PROCID")
@@ -51,6 +52,61 @@ def _float(env: Mapping[str, str], name: str, default: float) -> float:
     return out
 
 
+def _flag(env: Mapping[str, str], name: str, default: bool) -> bool:
+    value = env.get(name, "").strip().lower()
+    if not value:
+        return default
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise ConfigError(f"{name}={value!r}: expected 1 or 0")
+
+
+def _seconds(env: Mapping[str, str], name: str, default: float) -> float:
+    """A duration in seconds; 0 turns the feature off."""
+    value = env.get(name)
+    if value in (None, ""):
+        return default
+    try:
+        out = float(value)  # type: ignore[arg-type]
+    except ValueError:
+        raise ConfigError(f"{name}={value!r} is not a number of seconds") from None
+    if not 0 <= out <= 3600:
+        raise ConfigError(f"{name}={value!r} must be between 0 (off) and 3600 seconds")
+    return out
+
+
+_SUFFIX = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "m": 1 << 20, "mb": 1 << 20, "g": 1 << 30, "gb": 1 << 30}
+MAX_MESSAGE_LIMIT = 0xFFFFFFFF  # the link header's byte count field
+
+
+def _bytes(env: Mapping[str, str], name: str, default: int) -> int:
+    """A byte count: 1048576, 64K, 512M, 2G."""
+    value = env.get(name, "").strip().lower()
+    if not value:
+        return default
+    number = value.rstrip("kmgb")
+    try:
+        out = int(float(number) * _SUFFIX[value[len(number):]])
+    except (KeyError, ValueError):
+        raise ConfigError(f"{name}={value!r} is not a byte count (e.g. 1048576, 64K, 512M, 2G)") from None
+    if not 0 < out <= MAX_MESSAGE_LIMIT:
+        raise ConfigError(f"{name}={value!r} must be between 1 byte and 4 GiB - 1")
+    return out
+
+
+_WILDCARDS = ("0.0.0.0", "*", "::", "[::]", "")
+
+
+def _address(env: Mapping[str, str], name: str, value: str | None) -> str | None:
+    """An address to bind: one interface's, never a wildcard."""
+    if value is not None and value.strip() in _WILDCARDS:
+        raise ConfigError(f"{name}={value!r}: ahcomm binds one interface's address only, never a wildcard; "
+                          "name the address of the interface the ranks should use")
+    return value
+
+
 @dataclass(frozen=True)
 class Config:
     """Everything a communicator needs to know before it starts."""
@@ -69,6 +125,11 @@ class Config:
     if_ip: str | None = None  # address this rank's tcp endpoint binds to
     server_id: str | None = None  # host identity override
     single_copy: bool = True  # AHCOMM_SINGLE_COPY=0 turns off reads of peers' memory
+    job_secret: str | None = field(default=None, repr=False)  # AHCOMM_JOB_SECRET: authenticates every connection
+    insecure: bool = False  # AHCOMM_INSECURE=1: a job without a secret runs unauthenticated
+    encrypt: bool = False  # AHCOMM_ENCRYPT=1: CURVE (encrypted) instead of PLAIN authentication
+    heartbeat: float = 1.0  # AHCOMM_HEARTBEAT: seconds between ZMTP heartbeats (0 = off); lost after 3 silent
+    max_message: int = 1 << 30  # AHCOMM_MAX_MESSAGE: bytes of one point-to-point message
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> "Config":
@@ -78,6 +139,8 @@ class Config:
         if transport not in ("auto", "sdma", "rdma"):
             raise ConfigError(f"AHCOMM_TRANSPORT={transport!r}: expected auto, sdma or rdma")
         addr = _first(env, _ADDR_VARS)
+        if addr is not None:
+            _address(env, addr[0], addr[1])
         return cls(
             rank=_int(env, _RANK_VARS, None),
             world_size=_int(env, _SIZE_VARS, None),
@@ -90,7 +153,29 @@ class Config:
             algo=env.get("AHCOMM_ALGO", "").strip(),
             connect_timeout=_float(env, "AHCOMM_CONNECT_TIMEOUT", 120.0),
             exec_timeout=_float(env, "AHCOMM_EXEC_TIMEOUT", 1800.0),
-            if_ip=env.get("AHCOMM_IF_IP") or None,
+            if_ip=_address(env, "AHCOMM_IF_IP", env.get("AHCOMM_IF_IP") or None),
             server_id=env.get("AHCOMM_SERVER_ID") or None,
             single_copy=env.get("AHCOMM_SINGLE_COPY", "1").strip().lower() not in ("0", "false", "no", "off"),
+            job_secret=env.get("AHCOMM_JOB_SECRET") or None,
+            insecure=_flag(env, "AHCOMM_INSECURE", False),
+            encrypt=_flag(env, "AHCOMM_ENCRYPT", False),
+            heartbeat=_seconds(env, "AHCOMM_HEARTBEAT", 1.0),
+            max_message=_bytes(env, "AHCOMM_MAX_MESSAGE", 1 << 30),
         )
+
+    def check_security(self, size: int) -> None:
+        """The rule for a job of ``size`` ranks: a secret (at least MIN_SECRET characters), or an
+        explicit AHCOMM_INSECURE=1. Raises ConfigError telling how to fix it."""
+        if size <= 1:
+            return
+        if self.job_secret is None:
+            if self.insecure:
+                return
+            raise ConfigError(
+                "no job secret: every connection of a job is authenticated with AHCOMM_JOB_SECRET, which "
+                "ahcomm-run sets for its ranks. Under torchrun, mpirun or srun, export the same secret to every "
+                "rank, e.g. export AHCOMM_JOB_SECRET=$(python3 -c 'import secrets; print(secrets.token_hex(32))') "
+                "before launching (or set AHCOMM_INSECURE=1 to run unauthenticated on a trusted network)")
+        if len(self.job_secret) < MIN_SECRET:
+            raise ConfigError(f"AHCOMM_JOB_SECRET is {len(self.job_secret)} characters long; use at least "
+                              f"{MIN_SECRET} (e.g. python3 -c 'import secrets; print(secrets.token_hex(32))')")

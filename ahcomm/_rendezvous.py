@@ -1,11 +1,20 @@
 """Rendezvous: rank 0 serves a small ZeroMQ endpoint where every rank registers what peers
 need to reach it (host identity, link endpoints, shared-memory names) and gets the table
-of all ranks back. Messages are msgpack maps; nothing is unpickled."""
+of all ranks back. Messages are msgpack maps; nothing is unpickled.
+
+The endpoint binds the master address only (never a wildcard) and authenticates every
+connection with the job secret (``transports._auth``). Decoding is bounded: frames over
+``MAX_MESSAGE`` bytes are refused by libzmq before they are allocated, msgpack is read with
+limits on every length, and each registration is checked field by field; anything else is
+counted in ``RendezvousStats`` and dropped, so a stranger's bytes never end the rendezvous.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import socket
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgpack
@@ -13,8 +22,100 @@ import zmq
 import zmq.asyncio
 
 from ._errors import ConnectError
+from .transports._auth import AUTH, HANDSHAKE_FAILED, Credentials, Domain, async_context
 
-MAX_MESSAGE = 1 << 20
+MAX_MESSAGE = 1 << 20  # bytes of one rendezvous frame (a registration, or the table)
+WIRE_SLACK = 4096  # CURVE's framing overhead
+MAX_STR = 4096  # characters of any string in a registration
+MAX_DEPTH = 4  # nesting of maps/arrays in the cost model a registration may carry
+ENDPOINT_KINDS = ("ipc", "tcp")
+_UNPACK_LIMITS = dict(max_str_len=MAX_STR, max_bin_len=0, max_array_len=1 << 16, max_map_len=256, max_ext_len=0)
+
+log = logging.getLogger("ahcomm.security")
+
+
+@dataclass
+class RendezvousStats:
+    """What rank 0's rendezvous refused: malformed messages, unauthenticated connections."""
+
+    rejected_messages: int = 0
+    rejected_handshakes: int = 0
+    last_endpoint: str = ""  # what the server bound (tests check it is not a wildcard)
+    reasons: list[str] = field(default_factory=list)  # the first few reasons, for diagnostics
+
+    def reject(self, reason: str) -> None:
+        self.rejected_messages += 1
+        if len(self.reasons) < 16:
+            self.reasons.append(reason)
+        if self.rejected_messages <= 3 or self.rejected_messages % 100 == 0:
+            log.warning("rendezvous dropped a malformed message (%d so far): %s", self.rejected_messages, reason)
+
+
+def _unpack(raw: bytes) -> Any:
+    if len(raw) > MAX_MESSAGE:
+        raise ValueError(f"a message of {len(raw)} bytes (at most {MAX_MESSAGE})")
+    return msgpack.unpackb(raw, raw=False, strict_map_key=True, use_list=True, **_UNPACK_LIMITS)
+
+
+def _plain(value: Any, depth: int = 0) -> bool:
+    """msgpack data made of maps with str keys, lists, str, numbers, bools and None, not too deep."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return True
+    if depth >= MAX_DEPTH:
+        return False
+    if isinstance(value, list):
+        return all(_plain(v, depth + 1) for v in value)
+    if isinstance(value, dict):
+        return all(isinstance(k, str) and _plain(v, depth + 1) for k, v in value.items())
+    return False
+
+
+def _int(info: dict[str, Any], key: str, low: int, high: int) -> int:
+    value = info.get(key)
+    if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
+        raise ValueError(f"{key!r} must be an integer in [{low}, {high}], got {str(value)[:40]!r}")
+    return value
+
+
+def check_entry(info: Any) -> dict[str, Any]:
+    """A registration, checked field by field (raises ValueError naming the first bad field)."""
+    if not isinstance(info, dict):
+        raise ValueError(f"a registration must be a map, got {type(info).__name__}")
+    _int(info, "rank", 0, 1 << 30)
+    _int(info, "size", 1, 1 << 30)
+    _int(info, "buffsize", 1, 1 << 50)
+    _int(info, "pid", 0, 1 << 31)
+    _int(info, "probe", 0, (1 << 64) - 1)
+    if not isinstance(info.get("host"), str):
+        raise ValueError("'host' must be a string")
+    endpoints = info.get("endpoints")
+    if (not isinstance(endpoints, dict) or not endpoints or
+            not all(k in ENDPOINT_KINDS and isinstance(v, str) and v.startswith(f"{k}://") for k, v in endpoints.items())):
+        raise ValueError("'endpoints' must map 'ipc'/'tcp' to addresses of that kind")
+    shm = info.get("shm")
+    if shm is not None and not (isinstance(shm, list) and len(shm) == 2 and all(isinstance(n, str) for n in shm)):
+        raise ValueError("'shm' must be None or two names")
+    tuning = info.get("tuning")
+    if tuning is not None and not (isinstance(tuning, dict) and _plain(tuning)):
+        raise ValueError("'tuning' must be a small map of numbers and strings")
+    return info
+
+
+def check_reply(reply: Any, size: int) -> dict[str, Any]:
+    """Rank 0's answer: an error string, or the table of ``size`` registrations in rank order."""
+    if not isinstance(reply, dict):
+        raise ValueError("the reply must be a map")
+    if reply.get("error"):
+        if not isinstance(reply["error"], str):
+            raise ValueError("'error' must be a string")
+        return reply
+    table = reply.get("table")
+    if not isinstance(table, list) or len(table) != size:
+        raise ValueError(f"'table' must list {size} registrations")
+    for rank, entry in enumerate(table):
+        if check_entry(entry)["rank"] != rank:
+            raise ValueError(f"entry {rank} of the table is rank {entry['rank']}")
+    return reply
 
 
 def host_identity(override: str | None = None) -> str:
@@ -54,32 +155,44 @@ def _resolve(addr: str) -> str:
 
 
 def _socket(kind: int) -> zmq.asyncio.Socket:
-    sock = zmq.asyncio.Context.instance().socket(kind)
+    sock = async_context().socket(kind)
     sock.setsockopt(zmq.LINGER, 2000)
-    sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE)
+    sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE + WIRE_SLACK)
     return sock
 
 
-async def serve(addr: str, port: int, size: int, timeout: float) -> None:
+async def serve(addr: str, port: int, size: int, timeout: float, creds: Credentials | None = None,
+                stats: RendezvousStats | None = None) -> None:
     """Rank 0: collect ``size`` registrations, check them, send everyone the table."""
+    creds = creds or Credentials("null")
+    stats = stats if stats is not None else RendezvousStats()
+    domain = AUTH.register("the rendezvous", creds)
     sock = _socket(zmq.ROUTER)
+    creds.server(sock, domain)
+    monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
+    watcher = asyncio.ensure_future(_count_refusals(monitor, domain))
+    entries: dict[int, dict[str, Any]] = {}
     try:
-        sock.bind(f"tcp://{_resolve(addr)}:{port}")
-    except zmq.ZMQError as exc:
-        sock.close(0)
-        raise ConnectError(f"rank 0 cannot serve the rendezvous on {addr}:{port}: {exc}") from exc
-    try:
+        try:
+            sock.bind(f"tcp://{_resolve(addr)}:{port}")
+        except zmq.ZMQError as exc:
+            raise ConnectError(f"rank 0 cannot serve the rendezvous on {addr}:{port}: {exc}") from exc
+        stats.last_endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
         async with asyncio.timeout(timeout):
-            entries: dict[int, dict[str, Any]] = {}
             idents: dict[int, bytes] = {}
             error = ""
             while len(entries) < size:
-                ident, raw = await sock.recv_multipart()
-                try:
-                    info = msgpack.unpackb(raw, raw=False)
-                    rank, their_size = int(info["rank"]), int(info["size"])
-                except Exception:  # noqa: BLE001 - a stranger's bytes
+                frames = await sock.recv_multipart()
+                if len(frames) != 2:
+                    stats.reject(f"a message of {len(frames) - 1} frames (expected 1)")
                     continue
+                ident, raw = frames
+                try:
+                    info = check_entry(_unpack(raw))
+                except Exception as exc:  # noqa: BLE001 - a stranger's bytes
+                    stats.reject(f"{type(exc).__name__}: {str(exc)[:200]}")
+                    continue
+                rank, their_size = info["rank"], info["size"]
                 if their_size != size or not 0 <= rank < size or rank in entries:
                     error = error or (f"rank {rank} registered with world size {their_size}"
                                       f" (rank 0 has {size}), or twice, or out of range")
@@ -92,6 +205,8 @@ async def serve(addr: str, port: int, size: int, timeout: float) -> None:
                 error = f"ranks disagree on AHCOMM_BUFFSIZE: {sorted(sizes)} bytes"
             reply = {"error": error} if error else {"table": [entries[r] for r in range(size)]}
             packed = msgpack.packb(reply)
+            if len(packed) > MAX_MESSAGE:
+                packed = msgpack.packb({"error": f"the table of {size} ranks is over {MAX_MESSAGE} bytes"})
             for ident in idents.values():
                 await sock.send_multipart([ident, packed])
     except TimeoutError:
@@ -99,24 +214,68 @@ async def serve(addr: str, port: int, size: int, timeout: float) -> None:
         raise ConnectError(f"rendezvous timed out after {timeout:g} s: ranks {missing} never registered "
                            "(AHCOMM_CONNECT_TIMEOUT)") from None
     finally:
+        watcher.cancel()
+        await asyncio.gather(watcher, return_exceptions=True)
+        sock.disable_monitor()
+        monitor.close(0)
         sock.close()
+        AUTH.unregister(domain)
+        stats.rejected_handshakes = domain.rejected_handshakes
 
 
-async def register(addr: str, port: int, info: dict[str, Any], timeout: float) -> list[dict[str, Any]]:
+async def _count_refusals(monitor: zmq.asyncio.Socket, domain: Domain) -> None:
+    """Connections libzmq refused before ZAP was asked (no credentials, another mechanism)."""
+    while True:
+        frames = await monitor.recv_multipart()
+        if len(frames[0]) == 6:
+            event = int.from_bytes(frames[0][:2], "little")
+            domain.refused(None, HANDSHAKE_FAILED.get(event, "the handshake failed"))
+
+
+async def _refused(monitor: zmq.asyncio.Socket) -> str:
+    """Returns why, once the server refused our handshake."""
+    while True:
+        frames = await monitor.recv_multipart()
+        if len(frames[0]) == 6:
+            event = int.from_bytes(frames[0][:2], "little")
+            if event in HANDSHAKE_FAILED:
+                return HANDSHAKE_FAILED[event]
+
+
+async def register(addr: str, port: int, info: dict[str, Any], timeout: float,
+                   creds: Credentials | None = None) -> list[dict[str, Any]]:
     """Every rank: send our entry to rank 0 and get the table of all ranks."""
+    creds = creds or Credentials("null")
     sock = _socket(zmq.DEALER)
+    creds.client(sock)
+    monitor = sock.get_monitor_socket(sum(HANDSHAKE_FAILED))
     sock.connect(f"tcp://{_resolve(addr)}:{port}")
+    refused = asyncio.ensure_future(_refused(monitor))
+    answer: asyncio.Future[bytes] | None = None
     try:
         await sock.send(msgpack.packb(info))
+        answer = asyncio.ensure_future(sock.recv())
         async with asyncio.timeout(timeout):
-            raw = await sock.recv()
+            await asyncio.wait({answer, refused}, return_when=asyncio.FIRST_COMPLETED)
+        if not answer.done():
+            raise ConnectError(f"rank {info['rank']}: the rendezvous at {addr}:{port} refused this rank: "
+                               f"{refused.result()}; every rank needs the same AHCOMM_JOB_SECRET and AHCOMM_ENCRYPT")
+        raw = answer.result()
     except TimeoutError:
         raise ConnectError(f"rank {info['rank']}: no answer from the rendezvous at {addr}:{port} within "
                            f"{timeout:g} s (is rank 0 running? AHCOMM_CONNECT_TIMEOUT)") from None
     finally:
+        for task in (refused, answer):
+            if task is not None and not task.done():
+                task.cancel()
+        await asyncio.gather(*(t for t in (refused, answer) if t is not None), return_exceptions=True)
+        sock.disable_monitor()
+        monitor.close(0)
         sock.close()
-    reply = msgpack.unpackb(raw, raw=False)
+    try:
+        reply = check_reply(_unpack(raw), int(info["size"]))
+    except Exception as exc:  # noqa: BLE001
+        raise ConnectError(f"rank {info['rank']}: malformed answer from the rendezvous: {exc}") from None
     if reply.get("error"):
         raise ConnectError(f"rendezvous refused rank {info['rank']}: {reply['error']}")
     return list(reply["table"])
-

@@ -3,8 +3,12 @@
     ahcomm-run -n 4 python train.py          (also: python -m ahcomm.run -n 4 train.py)
 
 Each rank gets AHCOMM_RANK, AHCOMM_WORLD_SIZE, AHCOMM_LOCAL_RANK, AHCOMM_LOCAL_WORLD_SIZE,
-AHCOMM_MASTER_ADDR and AHCOMM_MASTER_PORT. SIGINT/SIGTERM are forwarded to every rank. If
-a rank fails, the others are stopped and ahcomm-run exits with that rank's status, naming it.
+AHCOMM_MASTER_ADDR and AHCOMM_MASTER_PORT, and the job secret AHCOMM_JOB_SECRET: the one
+already in the environment, else a fresh ``secrets.token_hex(32)``. The secret travels in
+the environment only (readable by the same user alone), never on a command line.
+SIGINT/SIGTERM are forwarded to every rank. If a rank fails, the others are stopped
+(SIGTERM, then SIGKILL after ``--grace`` seconds) and ahcomm-run exits with that rank's
+status, naming it.
 """
 
 from __future__ import annotations
@@ -12,12 +16,19 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import secrets
 import signal
 import socket
 import sys
 from typing import Sequence
 
 GRACE_SECONDS = 3.0
+SECRET_VAR = "AHCOMM_JOB_SECRET"
+
+
+def job_secret(env: dict[str, str]) -> str:
+    """The job's secret: the one the caller set, else a new one (64 hex digits)."""
+    return env.get(SECRET_VAR) or secrets.token_hex(32)
 
 
 def free_port(addr: str = "127.0.0.1") -> int:
@@ -68,7 +79,7 @@ def _signal_all(procs: list[asyncio.subprocess.Process], sig: int) -> None:
 
 async def launch(nprocs: int, program: Sequence[str], *, tag_output: bool = False,
                  master_addr: str = "127.0.0.1", master_port: int | None = None,
-                 env: dict[str, str] | None = None) -> int:
+                 env: dict[str, str] | None = None, grace: float = GRACE_SECONDS) -> int:
     """Run ``program`` as ``nprocs`` ranks; return the job's exit status."""
     port = master_port or free_port(master_addr)
     argv = command_line(program)
@@ -76,6 +87,7 @@ async def launch(nprocs: int, program: Sequence[str], *, tag_output: bool = Fals
     procs: list[asyncio.subprocess.Process] = []
     pumps: list[asyncio.Task[None]] = []
     base = dict(os.environ if env is None else env)
+    base[SECRET_VAR] = job_secret(base)
     for rank in range(nprocs):
         proc = await asyncio.create_subprocess_exec(
             *argv, env=rank_env(base, rank, nprocs, master_addr, port), stdout=pipe, stderr=pipe,
@@ -109,7 +121,7 @@ async def launch(nprocs: int, program: Sequence[str], *, tag_output: bool = Fals
                 if not interrupted:
                     print(f"ahcomm-run: rank {rank} {how}; stopping the other ranks", file=sys.stderr, flush=True)
                 _signal_all(procs, signal.SIGTERM)
-                loop.call_later(GRACE_SECONDS, _signal_all, procs, signal.SIGKILL)
+                loop.call_later(grace, _signal_all, procs, signal.SIGKILL)
     finally:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)
@@ -125,6 +137,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--tag-output", action="store_true", help="prefix every output line with [rank]")
     parser.add_argument("--master-addr", default="127.0.0.1", help="rendezvous address (rank 0 binds it)")
     parser.add_argument("--master-port", type=int, default=None, help="rendezvous port (default: a free one)")
+    parser.add_argument("--grace", type=float, default=GRACE_SECONDS,
+                        help="seconds between SIGTERM and SIGKILL when a failed rank stops the job (default 3)")
     parser.add_argument("program", nargs=argparse.REMAINDER, help="program and its arguments")
     args = parser.parse_args(argv)
     if args.nproc < 1:
@@ -132,7 +146,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     if not args.program:
         parser.error("no program given")
     sys.exit(asyncio.run(launch(args.nproc, args.program, tag_output=args.tag_output,
-                                master_addr=args.master_addr, master_port=args.master_port)))
+                                master_addr=args.master_addr, master_port=args.master_port,
+                                grace=args.grace)))
 
 
 if __name__ == "__main__":

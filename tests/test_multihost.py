@@ -17,6 +17,7 @@ from netns import Fabric
 HERE = Path(__file__).parent
 pytestmark = [pytest.mark.multiprocess]
 AVAILABLE, WHY = Fabric.available()
+SECRET = "multihost-test-secret-" + "0123456789abcdef"  # ranks started without ahcomm-run share one
 
 
 def run_layout(layout: list[int], program: Path, timeout: float = 240) -> list[str]:
@@ -35,7 +36,8 @@ def run_layout(layout: list[int], program: Path, timeout: float = 240) -> list[s
                        "AHCOMM_MASTER_ADDR": fabric.address(0), "AHCOMM_MASTER_PORT": str(port),
                        "AHCOMM_SERVER_ID": f"host{host}", "AHCOMM_IF_IP": fabric.address(host),
                        "AHCOMM_BUFFSIZE": "0.0625", "AHCOMM_EXEC_TIMEOUT": "60", "AHCOMM_CONNECT_TIMEOUT": "60",
-                       "MH_LAYOUT": ",".join(map(str, layout)), "PYTHONPATH": str(HERE)}
+                       "MH_LAYOUT": ",".join(map(str, layout)), "PYTHONPATH": str(HERE),
+                       "AHCOMM_JOB_SECRET": SECRET}
                 procs.append(fabric.popen(host, [sys.executable, str(program)], env,
                                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
                 rank += 1

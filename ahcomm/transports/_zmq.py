@@ -4,50 +4,170 @@ Each rank binds one ROUTER (on ipc for peers on its host, on tcp for the others)
 opens one DEALER per peer whose identity is the sender's rank. Incoming messages are
 drained by a reader callback on the ROUTER's file descriptor: no future per message, no
 polling thread, no busy loop. Every message starts with a fixed 24-byte header.
+
+Security and robustness (see ``_auth`` for the handshake):
+
+* Every connection is authenticated with the job secret (PLAIN, or CURVE with
+  ``AHCOMM_ENCRYPT=1``) before any of its messages is decoded.
+* Decoding is bounded. libzmq refuses any frame over ``FRAME_LIMIT`` (plus the CURVE
+  overhead) before allocating it (``ZMQ_MAXMSGSIZE``); larger payloads (rdma puts,
+  point-to-point messages) travel as several frames of at most ``FRAME_LIMIT`` bytes.
+  Every header is checked (size, kind, signal, buffer, bounds, frame count, sizes against
+  the frames that came); a point-to-point message is at most ``max_message`` bytes
+  (``AHCOMM_MAX_MESSAGE``). A message that fails a check is counted in ``rejected``.
+  From an identity that is not a peer of this communicator it is dropped; from a peer
+  it fails that peer's link with ``TransportError`` (the peer is out of step with the
+  protocol, so nothing later from it can be trusted to match).
+* Peer loss. A socket monitor on each DEALER, read on the event loop, reports the
+  connection to the peer's endpoint closing (a dead process's sockets close at once);
+  ZMTP heartbeats (``heartbeat`` seconds, timeout three of them) close the connection of
+  a peer that vanished without closing it. A peer that closes its communicator first
+  says goodbye (``MSG_BYE``, after everything else it sent us), so its disconnection is
+  not a loss; otherwise, after ``LOSS_GRACE`` seconds without a goodbye, the link calls
+  ``peer_lost(reason)`` and fails its waiters with ``PeerFailure(rank=peer)``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import secrets
 import struct
+import time
 from abc import abstractmethod
-from typing import Any
+from typing import Any, Callable
 
+import numpy as np
 import zmq
 
 from .._buffers import CclBuffers
-from .._errors import TransportError
+from .._errors import ConnectError, PeerFailure, TransportError
+from ._auth import AUTH, HANDSHAKE_FAILED, Credentials, context, fd, readable
 from .base import BUFFER_NAMES, MAX_CONTROL, Link, ProgressHook
 
 # kind, signal-or-buffer, index, nbytes, seq, offset (a signal's value travels as its offset,
 # the fingerprint of the sender's call as its nbytes)
 HEADER = struct.Struct("<BBHIqQ")
 MSG_SIGNAL, MSG_PUT, MSG_DATA_ACK, MSG_PROGRESS, MSG_ABORT, MSG_P2P, MSG_P2P_ACK, MSG_CONTROL = 1, 2, 3, 4, 5, 6, 7, 8
+MSG_BYE = 9  # the sender closed its communicator: nothing more will come from it
+MAX_SIGNAL = 2  # Signal.DATA_ACK
 MAX_REASON = 1024
 MAX_META = 4096  # bytes of a point-to-point message's metadata frame
 RANK_ID = struct.Struct("<I")
 COPY_THRESHOLD = 64 * 1024  # frames at least this big are sent zero-copy
+FRAME_LIMIT = 4 << 20  # the largest frame a link sends (an rdma put piece, a piece of a message)
+WIRE_SLACK = 4096  # CURVE wraps each frame in a command a few dozen bytes longer
+MAX_MESSAGE_LIMIT = 0xFFFFFFFF  # the header's nbytes field
+DEFAULT_MAX_MESSAGE = 1 << 30  # AHCOMM_MAX_MESSAGE default: bytes of one point-to-point message
+LOSS_GRACE = 0.5  # seconds a disconnected peer has for its goodbye to arrive before it counts as lost
+BYE_LINGER_MS = 500  # a closing link's last messages (its goodbye) may still leave for this long
+LOG_EVERY = 10.0  # seconds between two warnings about messages from one identity
+
+log = logging.getLogger("ahcomm.transport")
+security_log = logging.getLogger("ahcomm.security")
+
+_DEALER_EVENTS = int(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED) | sum(HANDSHAKE_FAILED)
+_ROUTER_EVENTS = int(zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
+_EVENT = struct.Struct("=hi")
 
 
 def _context() -> zmq.Context[Any]:
-    ctx: zmq.Context[Any] = zmq.Context.instance()
-    return ctx
+    return context()
+
+
+class Malformed(TransportError):
+    """A message that breaks the link protocol; it is dropped and counted, never acted on."""
+
+
+def _frame(sock: zmq.Socket[Any], limit: int, what: str) -> zmq.Frame:
+    """The next frame of the current message, which must exist and hold at most ``limit`` bytes."""
+    if not sock.getsockopt(zmq.RCVMORE):
+        raise Malformed(f"{what} is missing")
+    frame: zmq.Frame = sock.recv(zmq.NOBLOCK, copy=False)
+    if len(frame) > limit:
+        raise Malformed(f"{what} of {len(frame)} bytes (at most {limit})")
+    return frame
+
+
+def _last(sock: zmq.Socket[Any], what: str) -> None:
+    """The current message must have no frames left."""
+    if sock.getsockopt(zmq.RCVMORE):
+        raise Malformed(f"{what} with extra frames")
+
+
+class _Monitor:
+    """A socket's monitor events, read on the event loop (a reader on the PAIR's descriptor)."""
+
+    def __init__(self, sock: zmq.Socket[Any], events: int, handler: Callable[[int, int], None]) -> None:
+        self.owner = sock
+        self.pair: zmq.Socket[Any] = sock.get_monitor_socket(events)
+        self.pair.setsockopt(zmq.LINGER, 0)
+        self.handler = handler
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        if self._loop is None and not self.pair.closed:
+            loop.add_reader(fd(self.pair), self._on_readable)
+            self._loop = loop
+            self._on_readable()  # events from before the reader was installed
+
+    def _on_readable(self) -> None:
+        pair = self.pair
+        while readable(pair):
+            try:
+                frames = pair.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            if len(frames[0]) == _EVENT.size:
+                event, value = _EVENT.unpack(frames[0])
+                self.handler(event, value)
+
+    def stop(self) -> None:
+        if self._loop is not None and not self.pair.closed:
+            try:
+                self._loop.remove_reader(fd(self.pair))
+            except Exception:  # noqa: BLE001 - the loop may be closed already
+                pass
+        self._loop = None
+        if not self.owner.closed:
+            try:
+                self.owner.disable_monitor()
+            except zmq.ZMQError:
+                pass
+        if not self.pair.closed:
+            self.pair.close(0)
 
 
 class Channel:
-    """This rank's receiving socket and the reader that dispatches to links."""
+    """This rank's receiving socket and the reader that dispatches to links.
 
-    def __init__(self, rank: int, buffers: CclBuffers, *, ipc: bool = True, tcp_host: str | None = None) -> None:
+    ``creds`` (default: none) authenticate every connection; ``heartbeat`` (seconds, 0 =
+    off) sets the ZMTP heartbeats of the DEALERs to the peers; ``max_message`` caps a
+    point-to-point message. ``rejected`` counts messages dropped as malformed or from a
+    stranger, ``rejected_handshakes`` connections refused before any message was read.
+    """
+
+    def __init__(self, rank: int, buffers: CclBuffers, *, ipc: bool = True, tcp_host: str | None = None,
+                 creds: Credentials | None = None, heartbeat: float = 0.0,
+                 max_message: int = DEFAULT_MAX_MESSAGE) -> None:
         self.rank = rank
         self.buffers = buffers
+        self.creds = creds or Credentials("null")
+        self.heartbeat = heartbeat
+        self.max_message = min(max_message, MAX_MESSAGE_LIMIT)
         self.links: dict[int, ZmqLink] = {}
         self.rejected = 0
+        self.closing = False
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._stranger_log = (-LOG_EVERY, 0)  # (time of the last warning about strangers, drops since)
+        self.domain = AUTH.register(f"rank {rank}'s link endpoint", self.creds)
         self.router = _context().socket(zmq.ROUTER)
         self.router.setsockopt(zmq.LINGER, 0)
         self.router.setsockopt(zmq.RCVHWM, 0)
+        self.router.setsockopt(zmq.MAXMSGSIZE, FRAME_LIMIT + WIRE_SLACK)
+        self.creds.server(self.router, self.domain)
+        self._monitor = _Monitor(self.router, _ROUTER_EVENTS, self._on_router_event)
         self.endpoints: dict[str, str] = {}
         try:
             if ipc:
@@ -58,63 +178,122 @@ class Channel:
                 self.router.bind(f"tcp://{tcp_host}:0")
                 self.endpoints["tcp"] = self.router.getsockopt_string(zmq.LAST_ENDPOINT)
         except zmq.ZMQError as exc:
+            self._monitor.stop()
             self.router.close(0)
+            AUTH.unregister(self.domain)
             raise TransportError(f"rank {rank}: cannot bind its link endpoint: {exc}") from exc
 
-    def dealer(self, endpoint: str) -> zmq.Socket[Any]:
+    @property
+    def rejected_handshakes(self) -> int:
+        return self.domain.rejected_handshakes
+
+    def _on_router_event(self, event: int, value: int) -> None:
+        """A connection failed its handshake before authentication (no or other credentials)."""
+        self.domain.refused(None, HANDSHAKE_FAILED.get(event, "the handshake failed"))
+
+    def dealer(self, endpoint: str, on_event: Callable[[int, int], None] | None = None
+               ) -> tuple[zmq.Socket[Any], _Monitor | None]:
+        """A DEALER to ``endpoint`` with our identity and credentials (and a monitor, if asked)."""
         sock: zmq.Socket[Any] = _context().socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDHWM, 0)
         sock.setsockopt(zmq.IDENTITY, RANK_ID.pack(self.rank))
+        sock.setsockopt(zmq.MAXMSGSIZE, FRAME_LIMIT + WIRE_SLACK)  # a DEALER receives nothing by protocol
+        if self.heartbeat > 0:
+            ivl = max(1, int(self.heartbeat * 1000))
+            sock.setsockopt(zmq.HEARTBEAT_IVL, ivl)
+            sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 3 * ivl)
+            sock.setsockopt(zmq.HEARTBEAT_TTL, min(3 * ivl, 6_553_500))
+        self.creds.client(sock)
+        monitor = _Monitor(sock, _DEALER_EVENTS, on_event) if on_event is not None else None  # before connect
         sock.connect(endpoint)
-        return sock
+        return sock, monitor
 
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._loop.add_reader(self.router.getsockopt(zmq.FD), self._on_readable)
+        self._monitor.start(self._loop)
+        for link in list(self.links.values()):
+            link.watch(self._loop)
         self._on_readable()  # messages that arrived before the reader was installed
+
+    def drain(self) -> None:
+        """Handle whatever has arrived now (used before judging a peer lost)."""
+        if self._loop is not None and not self.router.closed:
+            self._on_readable()
 
     def _on_readable(self) -> None:
         router, links, unpack = self.router, self.links, HEADER.unpack
-        while router.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-            frames_left = True
+        while not router.closed and router.getsockopt(zmq.EVENTS) & zmq.POLLIN:
             link = None
             try:
                 ident = router.recv(zmq.NOBLOCK)
-                header = router.recv(zmq.NOBLOCK)  # a one-frame message raises Again here
+                header = router.recv(zmq.NOBLOCK)  # a ROUTER message has at least identity and one frame
                 link = links.get(RANK_ID.unpack(ident)[0]) if len(ident) == RANK_ID.size else None
-                if link is None or len(header) != HEADER.size:
-                    self.rejected += 1
+                if link is None:
+                    self._stranger(ident)
+                elif len(header) != HEADER.size:
+                    raise Malformed(f"a header of {len(header)} bytes (expected {HEADER.size})")
                 else:
                     kind, a, index, nbytes, seq, offset = unpack(header)
-                    if kind == MSG_SIGNAL:  # the hot path: no further frames by protocol
-                        link.deliver(a, index, seq, offset, nbytes)
-                        frames_left = False
-                    else:
-                        frames_left = link.on_message(kind, a, index, nbytes, seq, offset, router)
+                    if kind == MSG_SIGNAL and a <= MAX_SIGNAL and not router.getsockopt(zmq.RCVMORE):
+                        link.deliver(a, index, seq, offset, nbytes)  # the hot path
+                        continue
+                    link.on_message(kind, a, index, nbytes, seq, offset, router)  # reads exactly its frames
+                    continue
             except zmq.Again:
-                self.rejected += 1
-                continue
+                break
             except Exception as exc:  # noqa: BLE001 - a bad message must not kill the reader
-                self.rejected += 1
-                if link is not None:  # a known peer broke the protocol: its waiters must hear of it
-                    link.fail(exc if isinstance(exc, TransportError) else TransportError(
-                        f"link {link.peer}->{self.rank}: {exc!r}"))
-            if frames_left:
-                while router.getsockopt(zmq.RCVMORE):
-                    router.recv(zmq.NOBLOCK)
+                self._reject(link, exc)
+            while not router.closed and router.getsockopt(zmq.RCVMORE):  # whatever is left of a dropped message
+                router.recv(zmq.NOBLOCK, copy=False)
+
+    def _stranger(self, ident: bytes) -> None:
+        """A message from an identity that is not a peer of this communicator: dropped."""
+        self.rejected += 1
+        now = time.monotonic()
+        last, since = self._stranger_log
+        if now - last >= LOG_EVERY:
+            security_log.warning("rank %d dropped a message from identity %s: not a peer of this communicator%s",
+                                 self.rank, ident[:16].hex() or "(empty)",
+                                 f" ({since} more since the last warning)" if since else "")
+            self._stranger_log = (now, 0)
+        else:
+            self._stranger_log = (last, since + 1)
+
+    def _reject(self, link: "ZmqLink | None", exc: BaseException) -> None:
+        """A message from a peer broke the protocol (or its handling failed): the link fails."""
+        self.rejected += 1
+        if link is None:
+            return
+        link.rejected += 1
+        error = exc if isinstance(exc, TransportError) else TransportError(f"{exc!r}")
+        if link._error is None:
+            security_log.warning("link %d->%d: rejected a message from rank %d: %s; the link is failed",
+                                 link.peer, self.rank, link.peer, error)
+            link.fail(TransportError(f"link {link.peer}->{self.rank}: rejected a message from rank {link.peer} "
+                                     f"({error}); rank {link.peer} no longer follows the link protocol"))
 
     def close(self) -> None:
+        """Say goodbye on every link, then release the sockets (no loss is reported from now on)."""
+        self.closing = True
         if self._loop is not None and not self.router.closed:
             try:
                 self._loop.remove_reader(self.router.getsockopt(zmq.FD))
             except (ValueError, RuntimeError, zmq.ZMQError):
                 pass
+        self._monitor.stop()
+        for link in self.links.values():
+            link.say_goodbye()
         for link in self.links.values():
             link.close()
         self.links.clear()
         if not self.router.closed:
             self.router.close(0)
+        AUTH.unregister(self.domain)
+
+    def stats(self) -> dict[str, int]:
+        return {"rejected_messages": self.rejected, "rejected_handshakes": self.rejected_handshakes}
 
 
 class ZmqLink(Link):
@@ -125,10 +304,81 @@ class ZmqLink(Link):
         super().__init__(rank, peer, on_progress)
         self.channel = channel
         self.endpoint = endpoint
-        self.sock = channel.dealer(endpoint)
+        self.rejected = 0  # messages from this peer rejected as malformed
+        self.up = False  # the handshake with the peer's endpoint succeeded
+        self.peer_closed = False  # the peer said goodbye: it closed its communicator
+        self.lost_reason: str | None = None  # set when the peer is judged lost
+        self.lost_at: float | None = None  # time.time() of that judgement
+        self._closing = False
+        self._grace: asyncio.TimerHandle | None = None
+        self.sock, self._monitor = channel.dealer(endpoint, self._on_event)
         channel.links[peer] = self
         self._p2p_sent: dict[tuple[int, int], asyncio.Future[None]] = {}
+        if channel._loop is not None:
+            self.watch(channel._loop)
 
+    # -- liveness ---------------------------------------------------------------------------
+    def watch(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Start reading this link's socket events (the channel does it when it starts)."""
+        if self._monitor is not None:
+            self._monitor.start(loop)
+
+    def _on_event(self, event: int, value: int) -> None:
+        if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+            self.up = True
+        elif event == zmq.EVENT_DISCONNECTED:
+            if self.up:
+                self._suspect("its connection closed (the process exited or died, or stopped answering "
+                              "heartbeats)")
+        elif event in HANDSHAKE_FAILED and not self.up and self._error is None:
+            self.fail(ConnectError(
+                f"link {self.rank}->{self.peer}: rank {self.peer}'s endpoint {self.endpoint} refused the "
+                f"connection: {HANDSHAKE_FAILED[event]}; every rank needs the same AHCOMM_JOB_SECRET "
+                "and AHCOMM_ENCRYPT"))
+
+    def _suspect(self, reason: str) -> None:
+        if self._closing or self.peer_closed or self.lost_reason is not None or self.channel.closing:
+            return
+        self.channel.drain()  # its goodbye may be waiting already
+        if self.peer_closed or self._closing or self._grace is not None:
+            return
+        self._grace = asyncio.get_running_loop().call_later(LOSS_GRACE, self._lose, reason)
+
+    def _lose(self, reason: str) -> None:
+        self._grace = None
+        if self._closing or self.peer_closed or self.lost_reason is not None or self.channel.closing:
+            return
+        self.channel.drain()
+        if self.peer_closed or self._closing:
+            return
+        self.lost_reason, self.lost_at = reason, time.time()
+        log.warning("rank %d lost rank %d: %s", self.rank, self.peer, reason)
+        self._stop_watching()
+        try:
+            self.peer_lost(reason)
+        except Exception:  # noqa: BLE001 - the hook's failure must not stop the waiters' wake-up
+            log.exception("rank %d: on_lost hook failed for rank %d", self.rank, self.peer)
+        self.fail(PeerFailure(f"rank {self.peer} is lost: {reason} (noticed by rank {self.rank})", rank=self.peer))
+
+    def _peer_said_goodbye(self) -> None:
+        self.peer_closed = True
+        if self._grace is not None:
+            self._grace.cancel()
+            self._grace = None
+        self._stop_watching()
+        if self._error is None:  # everything it sent came before the goodbye: no waiter can be served now
+            self.fail(PeerFailure(f"rank {self.peer} closed its communicator", rank=self.peer))
+
+    def _stop_watching(self) -> None:
+        if self._monitor is not None:
+            self._monitor.stop()
+        if not self.sock.closed:
+            try:
+                self.sock.disconnect(self.endpoint)  # no reconnection attempts to a closed endpoint
+            except zmq.ZMQError:
+                pass
+
+    # -- sending ----------------------------------------------------------------------------
     def _send(self, kind: int, a: int, index: int, seq: int, nbytes: int = 0, offset: int = 0,
               data: Any = None) -> None:
         header = HEADER.pack(kind, a, index, nbytes, seq, offset)
@@ -158,39 +408,30 @@ class ZmqLink(Link):
             self._send(MSG_PROGRESS, 0, 0, seq)
 
     def send_message(self, key: tuple[int, int], meta: bytes, data: Any) -> "asyncio.Future[None]":
-        """Header, metadata and payload (zero-copy when big); done when the peer acknowledged."""
+        """Header, metadata and payload (in frames of at most FRAME_LIMIT, zero-copy when big);
+        done when the peer acknowledged."""
         if self._error is not None:
             raise self._error
         tag, counter = key
         payload = memoryview(data).cast("B")
+        limit = self.channel.max_message
+        if payload.nbytes > limit:
+            raise TransportError(f"link {self.rank}->{self.peer}: a message of {payload.nbytes} bytes is over the "
+                                 f"limit of {limit} bytes (AHCOMM_MAX_MESSAGE)")
+        if len(meta) > MAX_META:
+            raise TransportError(f"link {self.rank}->{self.peer}: message metadata of {len(meta)} bytes "
+                                 f"(at most {MAX_META})")
         header = HEADER.pack(MSG_P2P, 0, tag, payload.nbytes, counter, 0)
+        pieces = [payload[i:i + FRAME_LIMIT] for i in range(0, max(payload.nbytes, 1), FRAME_LIMIT)]
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._p2p_sent[key] = done
         try:
-            self.sock.send_multipart([header, meta, payload], zmq.NOBLOCK, copy=payload.nbytes < COPY_THRESHOLD)
+            self.sock.send_multipart([header, meta, *pieces], zmq.NOBLOCK, copy=payload.nbytes < COPY_THRESHOLD)
         except zmq.ZMQError as exc:
             del self._p2p_sent[key]
             raise TransportError(f"link {self.rank}->{self.peer}: send failed: {exc}") from exc
         self.bytes_sent += payload.nbytes
         return done
-
-    def _on_p2p(self, tag: int, counter: int, nbytes: int, sock: zmq.Socket[Any]) -> None:
-        meta = sock.recv(zmq.NOBLOCK) if sock.getsockopt(zmq.RCVMORE) else b""
-        if len(meta) > MAX_META or not sock.getsockopt(zmq.RCVMORE):
-            raise TransportError(f"link {self.peer}->{self.rank}: malformed point-to-point message")
-        frame = sock.recv(zmq.NOBLOCK, copy=False)
-        if len(frame.buffer) != nbytes:
-            raise TransportError(f"link {self.peer}->{self.rank}: message of {len(frame.buffer)} bytes, "
-                                 f"header said {nbytes}")
-        self._send(MSG_P2P_ACK, 0, tag, counter)
-        self.deliver_message((tag, counter), bytes(meta), frame.buffer)
-
-    def fail(self, error: BaseException) -> None:
-        super().fail(error)
-        for fut in self._p2p_sent.values():
-            if not fut.done():
-                fut.set_exception(error)
-        self._p2p_sent.clear()
 
     def send_abort(self, reason: str) -> None:
         data = reason.encode()[:MAX_REASON]
@@ -199,43 +440,113 @@ class ZmqLink(Link):
         except Exception:  # noqa: BLE001 - best effort on the way down
             pass
 
+    def say_goodbye(self) -> None:
+        """Tell the peer this rank closes its communicator (after everything sent so far)."""
+        if self.lost_reason is None and not self.sock.closed:
+            try:
+                self.sock.send(HEADER.pack(MSG_BYE, 0, 0, 0, 0, 0), zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass
+
+    # -- receiving --------------------------------------------------------------------------
     def on_message(self, kind: int, a: int, index: int, nbytes: int, seq: int, offset: int,
-                   sock: zmq.Socket[Any]) -> bool:
-        """Handle one message; return True if frames of it are left unread."""
+                   sock: zmq.Socket[Any]) -> None:
+        """Handle one message whose header was read: read exactly its frames, or raise Malformed
+        before acting on it."""
         if kind == MSG_SIGNAL:
+            if a > MAX_SIGNAL:
+                raise Malformed(f"unknown signal {a}")
+            _last(sock, "a signal")
             self.deliver(a, index, seq, offset, nbytes)
         elif kind == MSG_PROGRESS:
+            _last(sock, "a progress message")
             self.progress(seq)
         elif kind == MSG_ABORT:
-            reason = sock.recv(zmq.NOBLOCK) if sock.getsockopt(zmq.RCVMORE) else b""
-            self.peer_aborted(bytes(reason[:MAX_REASON]).decode(errors="replace"))
+            reason = _frame(sock, MAX_REASON, "an abort's reason")
+            _last(sock, "an abort")
+            self.peer_aborted(bytes(reason.bytes).decode(errors="replace"))
         elif kind == MSG_CONTROL:
-            payload = sock.recv(zmq.NOBLOCK) if sock.getsockopt(zmq.RCVMORE) else b""
-            if len(payload) > MAX_CONTROL or len(payload) != nbytes:
-                raise TransportError(f"link {self.peer}->{self.rank}: malformed control message")
-            self.control(bytes(payload))
+            if nbytes > MAX_CONTROL:
+                raise Malformed(f"a control message of {nbytes} bytes (at most {MAX_CONTROL})")
+            payload = _frame(sock, MAX_CONTROL, "a control message's payload")
+            if len(payload) != nbytes:
+                raise Malformed(f"a control message of {len(payload)} bytes, header said {nbytes}")
+            _last(sock, "a control message")
+            self.control(payload.bytes)
         elif kind == MSG_P2P:
             self._on_p2p(index, seq, nbytes, sock)
-            return False
         elif kind == MSG_P2P_ACK:
+            _last(sock, "a message acknowledgement")
             done = self._p2p_sent.pop((index, seq), None)
             if done is not None and not done.done():
                 done.set_result(None)
+        elif kind == MSG_BYE:
+            _last(sock, "a goodbye")
+            self._peer_said_goodbye()
         else:
-            return self.on_data_message(kind, a, index, nbytes, seq, offset, sock)
-        return True
+            self.on_data_message(kind, a, index, nbytes, seq, offset, sock)
+
+    def _on_p2p(self, tag: int, counter: int, nbytes: int, sock: zmq.Socket[Any]) -> None:
+        limit = self.channel.max_message
+        if nbytes > limit:
+            raise Malformed(f"a message of {nbytes} bytes (at most {limit}, AHCOMM_MAX_MESSAGE)")
+        meta = _frame(sock, MAX_META, "a message's metadata")
+        pieces: list[zmq.Frame] = []
+        total, most = 0, nbytes // FRAME_LIMIT + 1
+        while sock.getsockopt(zmq.RCVMORE):
+            if len(pieces) == most:
+                raise Malformed(f"a message of {nbytes} bytes in more than {most} frames")
+            piece = _frame(sock, FRAME_LIMIT, "a piece of a message")
+            total += len(piece)
+            pieces.append(piece)
+        if not pieces or total != nbytes:
+            raise Malformed(f"a message of {total} bytes in {len(pieces)} frames, header said {nbytes}")
+        if len(pieces) == 1:
+            data: Any = pieces[0].buffer
+        else:
+            data = np.empty(total, np.uint8)
+            start = 0
+            for piece in pieces:
+                data[start:start + len(piece)] = np.frombuffer(piece.buffer, np.uint8)
+                start += len(piece)
+        self._send(MSG_P2P_ACK, 0, tag, counter)
+        self.deliver_message((tag, counter), meta.bytes, data)
 
     @abstractmethod
     def on_data_message(self, kind: int, a: int, index: int, nbytes: int, seq: int, offset: int,
-                        sock: zmq.Socket[Any]) -> bool:
-        """Messages specific to the transport (puts, data acks)."""
+                        sock: zmq.Socket[Any]) -> None:
+        """Messages specific to the transport (puts, data acks); raise Malformed for others."""
+
+    # -- lifecycle --------------------------------------------------------------------------
+    def fail(self, error: BaseException) -> None:
+        super().fail(error)
+        for fut in self._p2p_sent.values():
+            if not fut.done():
+                fut.set_exception(error)
+        self._p2p_sent.clear()
 
     def close(self) -> None:
+        self._closing = True
+        if self._grace is not None:
+            self._grace.cancel()
+            self._grace = None
+        if self._monitor is not None:
+            self._monitor.stop()
         if not self.sock.closed:
-            self.sock.close(0)
+            gone = self.lost_reason is not None or self.peer_closed
+            self.sock.close(0 if gone else BYE_LINGER_MS)  # queued messages (the goodbye) may still leave
+
+    def stats(self) -> dict[str, Any]:
+        out = super().stats()
+        state = ("lost" if self.lost_reason is not None else "closed by peer" if self.peer_closed
+                 else "up" if self.up else "connecting")
+        out.update(state=state, rejected_messages=self.rejected,
+                   endpoint_rejected_messages=self.channel.rejected,
+                   endpoint_rejected_handshakes=self.channel.rejected_handshakes)
+        return out
 
 
 def buffer_name(buf_id: int) -> str:
     if buf_id >= len(BUFFER_NAMES):
-        raise TransportError(f"unknown buffer id {buf_id}")
+        raise Malformed(f"unknown buffer id {buf_id}")
     return BUFFER_NAMES[buf_id]

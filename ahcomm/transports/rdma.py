@@ -1,9 +1,11 @@
 """RDMA-like links: ZeroMQ tcp carries the notifies and the bytes.
 
 A put is sent as zero-copy frames (at most ``PUT_CHUNK`` bytes each, so libzmq never
-allocates huge messages) and received with ``recv_into`` straight into the peer's CCL
-buffer region. The receiver answers every landed put with DataAck; ``flush()`` waits for
-all of them, so a collective never returns while its source bytes are still in flight.
+allocates huge messages, and a receiver refuses any bigger frame) and received with
+``recv_into`` straight into the peer's CCL buffer region, once its header is checked
+against the buffer's bounds. The receiver answers every landed put with DataAck;
+``flush()`` waits for all of them, so a collective never returns while its source bytes
+are still in flight.
 """
 
 from __future__ import annotations
@@ -14,11 +16,10 @@ from typing import Any, Awaitable
 import numpy as np
 import zmq
 
-from .._errors import TransportError
-from ._zmq import MSG_DATA_ACK, MSG_PUT, Channel, ZmqLink, buffer_name
+from ._zmq import FRAME_LIMIT, MSG_DATA_ACK, MSG_PUT, Channel, Malformed, ZmqLink, buffer_name
 from .base import BUFFER_IDS, MemoryRunner, ProgressHook, as_bytes
 
-PUT_CHUNK = 4 << 20
+PUT_CHUNK = FRAME_LIMIT
 
 
 class RdmaLink(ZmqLink):
@@ -53,24 +54,32 @@ class RdmaLink(ZmqLink):
             await self._flushed
 
     def on_data_message(self, kind: int, a: int, index: int, nbytes: int, seq: int, offset: int,
-                        sock: zmq.Socket[Any]) -> bool:
+                        sock: zmq.Socket[Any]) -> None:
         if kind == MSG_PUT:
             region = self.channel.buffers.get(buffer_name(a)).array
-            if offset + nbytes > region.nbytes or not sock.getsockopt(zmq.RCVMORE):
-                raise TransportError(f"rdma link {self.peer}->{self.rank}: put outside the CCL buffer")
+            if nbytes > PUT_CHUNK or offset + nbytes > region.nbytes:
+                raise Malformed(f"rdma link {self.peer}->{self.rank}: a put of {nbytes} bytes at {offset}, outside "
+                                f"the CCL buffer ({region.nbytes} bytes) or over {PUT_CHUNK} bytes")
+            if not sock.getsockopt(zmq.RCVMORE):
+                raise Malformed(f"rdma link {self.peer}->{self.rank}: a put without its data")
             got = sock.recv_into(region[offset:offset + nbytes].data, flags=zmq.NOBLOCK) if nbytes else len(sock.recv(zmq.NOBLOCK))
             if got != nbytes:
-                raise TransportError(f"rdma link {self.peer}->{self.rank}: put of {got} bytes, header said {nbytes}")
+                raise Malformed(f"rdma link {self.peer}->{self.rank}: put of {got} bytes, header said {nbytes}")
+            if sock.getsockopt(zmq.RCVMORE):
+                raise Malformed(f"rdma link {self.peer}->{self.rank}: a put with extra frames")
             self.bytes_received += nbytes
             self._send(MSG_DATA_ACK, 0, 0, seq)
             self.progress(seq)
-            return False
-        if kind == MSG_DATA_ACK:
+        elif kind == MSG_DATA_ACK:
+            if self._unacked <= 0:
+                raise Malformed(f"rdma link {self.peer}->{self.rank}: a DataAck for no put in flight")
+            if sock.getsockopt(zmq.RCVMORE):
+                raise Malformed(f"rdma link {self.peer}->{self.rank}: a DataAck with extra frames")
             self._unacked -= 1
             if self._unacked <= 0 and self._flushed is not None and not self._flushed.done():
                 self._flushed.set_result(None)
-            return True
-        raise TransportError(f"rdma link {self.peer}->{self.rank}: unexpected message kind {kind}")
+        else:
+            raise Malformed(f"rdma link {self.peer}->{self.rank}: unknown message kind {kind}")
 
     def fail(self, error: BaseException) -> None:
         super().fail(error)

@@ -7,15 +7,16 @@ buffer and a mesh algorithm can read or reduce straight out of it.
 
 from __future__ import annotations
 
+import errno
 from typing import Any, Awaitable
 
 import numpy as np
 import zmq
 
 from .._buffers import SharedRegion
-from .._errors import TransportError
+from .._errors import PeerFailure, TransportError
 from . import _cma
-from ._zmq import Channel, ZmqLink
+from ._zmq import Channel, Malformed, ZmqLink
 from .base import MappedAccess, MemoryRunner, ProgressHook
 
 
@@ -32,11 +33,21 @@ class SdmaLink(MappedAccess, ZmqLink):
 
     def read(self, dst: np.ndarray, addr: int, run: MemoryRunner) -> "Awaitable[Any] | None":
         self.bytes_received += dst.nbytes
-        return run(_cma.read, self.pid, dst, addr)
+        return run(self._read, dst, addr)
+
+    def _read(self, dst: np.ndarray, addr: int) -> None:
+        try:
+            _cma.read(self.pid, dst, addr)
+        except OSError as exc:  # the peer's process is gone (often noticed here first), or its memory is
+            if exc.errno == errno.ESRCH:
+                raise PeerFailure(f"rank {self.peer} is lost: its process (pid {self.pid}) is gone "
+                                  f"(noticed by rank {self.rank} reading its memory)", rank=self.peer) from None
+            raise TransportError(f"sdma link {self.peer}->{self.rank}: reading rank {self.peer}'s memory "
+                                 f"failed: {exc}") from exc
 
     def on_data_message(self, kind: int, a: int, index: int, nbytes: int, seq: int, offset: int,
-                        sock: zmq.Socket[Any]) -> bool:
-        raise TransportError(f"sdma link {self.peer}->{self.rank}: unexpected message kind {kind}")
+                        sock: zmq.Socket[Any]) -> None:
+        raise Malformed(f"sdma link {self.peer}->{self.rank}: unknown message kind {kind}")
 
     def close(self) -> None:
         super().close()
