@@ -6,7 +6,7 @@ Each rank gets AHCOMM_RANK, AHCOMM_WORLD_SIZE, AHCOMM_LOCAL_RANK, AHCOMM_LOCAL_W
 AHCOMM_MASTER_ADDR and AHCOMM_MASTER_PORT, and the job secret AHCOMM_JOB_SECRET: the one
 already in the environment, else a fresh ``secrets.token_hex(32)``. The secret travels in
 the environment only (readable by the same user alone), never on a command line.
-SIGINT/SIGTERM are forwarded to every rank. If a rank fails, the others are stopped
+SIGINT/SIGTERM are forwarded to every rank, and SIGUSR1 (each rank prints its state). If a rank fails, the others are stopped
 (SIGTERM, then SIGKILL after ``--grace`` seconds) and ahcomm-run exits with that rank's
 status, naming it.
 """
@@ -88,6 +88,9 @@ async def launch(nprocs: int, program: Sequence[str], *, tag_output: bool = Fals
     pumps: list[asyncio.Task[None]] = []
     base = dict(os.environ if env is None else env)
     base[SECRET_VAR] = job_secret(base)
+    # Ranks inherit SIGUSR1 ignored: one that has no communicator (yet) to report is not killed
+    # by it; a communicator installs its own handler.
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     for rank in range(nprocs):
         proc = await asyncio.create_subprocess_exec(
             *argv, env=rank_env(base, rank, nprocs, master_addr, port), stdout=pipe, stderr=pipe,
@@ -107,6 +110,8 @@ async def launch(nprocs: int, program: Sequence[str], *, tag_output: bool = Fals
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, forward, sig)
+    # SIGUSR1 asks every rank to print its state (which op it is in): passed on, not a stop.
+    loop.add_signal_handler(signal.SIGUSR1, _signal_all, procs, signal.SIGUSR1)
     status = 0
     try:
         waiters = {asyncio.ensure_future(p.wait()): rank for rank, p in enumerate(procs)}
@@ -123,7 +128,7 @@ async def launch(nprocs: int, program: Sequence[str], *, tag_output: bool = Fals
                 _signal_all(procs, signal.SIGTERM)
                 loop.call_later(grace, _signal_all, procs, signal.SIGKILL)
     finally:
-        for sig in (signal.SIGINT, signal.SIGTERM):
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1):
             loop.remove_signal_handler(sig)
         _signal_all(procs, signal.SIGKILL)
         if pumps:
