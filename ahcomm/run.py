@@ -1,6 +1,10 @@
-"""ahcomm-run: start N ranks of a program on this host.
+"""ahcomm-run: start the ranks of a program, on this host or on several.
 
     ahcomm-run -n 4 python train.py          (also: python -m ahcomm.run -n 4 train.py)
+    ahcomm-run --nnodes 2 --node-rank R --nproc-per-node 4 --master-addr HOST --master-port P prog.py
+                                             (torchrun's style: run once on every host)
+    ahcomm-run -H host1:4,host2:4 prog.py    (mpirun's style, also --hostfile FILE: one command
+                                             starts every host's ranks over ssh, AHCOMM_RSH)
 
 Each rank gets AHCOMM_RANK, AHCOMM_WORLD_SIZE, AHCOMM_LOCAL_RANK, AHCOMM_LOCAL_WORLD_SIZE,
 AHCOMM_MASTER_ADDR and AHCOMM_MASTER_PORT, and the job secret AHCOMM_JOB_SECRET: the one
@@ -37,11 +41,13 @@ def free_port(addr: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
-def rank_env(base: dict[str, str], rank: int, size: int, addr: str, port: int) -> dict[str, str]:
+def rank_env(base: dict[str, str], rank: int, size: int, addr: str, port: int, *, local: int | None = None,
+             local_size: int | None = None) -> dict[str, str]:
     env = dict(base)
     env.update({
         "AHCOMM_RANK": str(rank), "AHCOMM_WORLD_SIZE": str(size),
-        "AHCOMM_LOCAL_RANK": str(rank), "AHCOMM_LOCAL_WORLD_SIZE": str(size),
+        "AHCOMM_LOCAL_RANK": str(rank if local is None else local),
+        "AHCOMM_LOCAL_WORLD_SIZE": str(size if local_size is None else local_size),
         "AHCOMM_MASTER_ADDR": addr, "AHCOMM_MASTER_PORT": str(port),
     })
     return env
@@ -79,9 +85,12 @@ def _signal_all(procs: list[asyncio.subprocess.Process], sig: int) -> None:
 
 async def launch(nprocs: int, program: Sequence[str], *, tag_output: bool = False,
                  master_addr: str = "127.0.0.1", master_port: int | None = None,
-                 env: dict[str, str] | None = None, grace: float = GRACE_SECONDS) -> int:
-    """Run ``program`` as ``nprocs`` ranks; return the job's exit status."""
+                 env: dict[str, str] | None = None, grace: float = GRACE_SECONDS,
+                 first_rank: int = 0, world_size: int | None = None) -> int:
+    """Run ``program`` as ranks ``first_rank .. first_rank + nprocs - 1`` of a job of
+    ``world_size`` (default ``nprocs``) ranks on this host; return the job's exit status."""
     port = master_port or free_port(master_addr)
+    size = nprocs if world_size is None else world_size
     argv = command_line(program)
     pipe = asyncio.subprocess.PIPE if tag_output else None
     procs: list[asyncio.subprocess.Process] = []
@@ -91,10 +100,11 @@ async def launch(nprocs: int, program: Sequence[str], *, tag_output: bool = Fals
     # Ranks inherit SIGUSR1 ignored: one that has no communicator (yet) to report is not killed
     # by it; a communicator installs its own handler.
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)
-    for rank in range(nprocs):
+    for local in range(nprocs):
+        rank = first_rank + local
         proc = await asyncio.create_subprocess_exec(
-            *argv, env=rank_env(base, rank, nprocs, master_addr, port), stdout=pipe, stderr=pipe,
-            start_new_session=True)
+            *argv, env=rank_env(base, rank, size, master_addr, port, local=local, local_size=nprocs),
+            stdout=pipe, stderr=pipe, start_new_session=True)
         procs.append(proc)
         if tag_output:
             assert proc.stdout is not None and proc.stderr is not None
@@ -118,7 +128,7 @@ async def launch(nprocs: int, program: Sequence[str], *, tag_output: bool = Fals
         pending = set(waiters)
         while pending:
             done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-            failed = [(waiters[f], f.result()) for f in done if f.result() != 0]
+            failed = [(waiters[f] + first_rank, f.result()) for f in done if f.result() != 0]
             if failed and status == 0:
                 rank, code = min(failed)
                 status = code if code > 0 else 128 - code
@@ -136,23 +146,122 @@ async def launch(nprocs: int, program: Sequence[str], *, tag_output: bool = Fals
     return status
 
 
+def parse_hosts(spec: str) -> list[tuple[str, int]]:
+    """'host1:4,host2:2' (a host without ':N' gets one slot) -> [(host, slots), ...]."""
+    hosts = []
+    for item in spec.split(","):
+        item = item.strip()
+        if not item:
+            continue
+        name, _, slots = item.partition(":")
+        if not name or (slots and (not slots.isdigit() or int(slots) < 1)):
+            raise ValueError(f"bad host entry {item!r}: expected HOST or HOST:SLOTS")
+        hosts.append((name, int(slots) if slots else 1))
+    if not hosts:
+        raise ValueError("no hosts given")
+    return hosts
+
+
+def read_hostfile(path: str) -> list[tuple[str, int]]:
+    """Lines 'host slots=N' (OpenMPI), 'host:N' or 'host'; '#' starts a comment."""
+    entries = []
+    with open(path) as f:
+        for line in f:
+            words = line.split("#", 1)[0].split()
+            if not words:
+                continue
+            slots = next((w.split("=", 1)[1] for w in words[1:] if w.startswith("slots=")), None)
+            entries.append(f"{words[0]}:{slots}" if slots else words[0])
+    return parse_hosts(",".join(entries))
+
+
+async def launch_hosts(hosts: list[tuple[str, int]], program: Sequence[str], *, master_addr: str | None,
+                       master_port: int | None, tag_output: bool, grace: float) -> int:
+    """mpirun's style: one launcher per host, started through AHCOMM_RSH (default ``ssh``);
+    the job secret goes to each over its standard input, never on a command line."""
+    import shlex
+
+    env = dict(os.environ)
+    env[SECRET_VAR] = job_secret(env)
+    rsh = shlex.split(env.get("AHCOMM_RSH", "ssh"))
+    addr = master_addr or hosts[0][0]
+    port = master_port or free_port("0.0.0.0" if addr not in ("127.0.0.1", "localhost") else addr)
+    size = sum(slots for _, slots in hosts)
+    procs: list[asyncio.subprocess.Process] = []
+    first = 0
+    for node, (host, slots) in enumerate(hosts):
+        remote = [sys.executable, "-m", "ahcomm.run", "--secret-stdin", "--nproc-per-node", str(slots),
+                  "--first-rank", str(first), "--world-size", str(size), "--master-addr", addr,
+                  "--master-port", str(port), "--grace", str(grace), *(["--tag-output"] if tag_output else []),
+                  *command_line(program)]
+        line = f"cd {shlex.quote(os.getcwd())} && exec {shlex.join(remote)}"
+        proc = await asyncio.create_subprocess_exec(*rsh, host, line, stdin=asyncio.subprocess.PIPE, env=env)
+        assert proc.stdin is not None
+        proc.stdin.write(env[SECRET_VAR].encode() + b"\n")
+        await proc.stdin.drain()
+        proc.stdin.close()
+        procs.append(proc)
+        first += slots
+    status = 0
+    waiters = {asyncio.ensure_future(p.wait()): hosts[i][0] for i, p in enumerate(procs)}
+    pending = set(waiters)
+    while pending:
+        done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+        for fut in done:
+            if fut.result() != 0 and status == 0:
+                status = fut.result() if fut.result() > 0 else 128 - fut.result()
+                print(f"ahcomm-run: the ranks on {waiters[fut]} failed (status {fut.result()}); stopping the others",
+                      file=sys.stderr, flush=True)
+                _signal_all(procs, signal.SIGTERM)
+    return status
+
+
 def main(argv: Sequence[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="ahcomm-run", description="Start N ranks of PROGRAM on this host.")
-    parser.add_argument("-n", "--nproc", "--np", dest="nproc", type=int, required=True, help="number of ranks")
+    parser = argparse.ArgumentParser(prog="ahcomm-run", description="Start the ranks of PROGRAM.")
+    parser.add_argument("-n", "--nproc", "--np", "--nproc-per-node", dest="nproc", type=int,
+                        help="ranks to start on this host")
+    parser.add_argument("--nnodes", type=int, default=1, help="hosts in the job (torchrun's style)")
+    parser.add_argument("--node-rank", type=int, default=0, help="this host's index, 0 .. nnodes-1")
+    parser.add_argument("-H", "--hosts", default=None, help="host1:N,host2:M: start every host's ranks (mpirun's style)")
+    parser.add_argument("--hostfile", default=None, help="a file of 'host slots=N' lines (mpirun's style)")
+    parser.add_argument("--first-rank", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--world-size", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--secret-stdin", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--tag-output", action="store_true", help="prefix every output line with [rank]")
-    parser.add_argument("--master-addr", default="127.0.0.1", help="rendezvous address (rank 0 binds it)")
+    parser.add_argument("--master-addr", default=None, help="rendezvous address (rank 0 binds it)")
     parser.add_argument("--master-port", type=int, default=None, help="rendezvous port (default: a free one)")
     parser.add_argument("--grace", type=float, default=GRACE_SECONDS,
                         help="seconds between SIGTERM and SIGKILL when a failed rank stops the job (default 3)")
     parser.add_argument("program", nargs=argparse.REMAINDER, help="program and its arguments")
     args = parser.parse_args(argv)
-    if args.nproc < 1:
-        parser.error("-n must be at least 1")
     if not args.program:
         parser.error("no program given")
+    if args.secret_stdin:
+        os.environ[SECRET_VAR] = sys.stdin.readline().strip()
+    if args.hosts or args.hostfile:
+        try:
+            hosts = read_hostfile(args.hostfile) if args.hostfile else parse_hosts(args.hosts)
+        except (OSError, ValueError) as exc:
+            parser.error(str(exc))
+        sys.exit(asyncio.run(launch_hosts(hosts, args.program, master_addr=args.master_addr,
+                                          master_port=args.master_port, tag_output=args.tag_output,
+                                          grace=args.grace)))
+    if args.nproc is None or args.nproc < 1:
+        parser.error("-n / --nproc-per-node must be at least 1")
+    multi = args.nnodes > 1 or args.first_rank is not None
+    if multi:
+        if args.master_addr is None or args.master_port is None:
+            parser.error("a job on several hosts needs --master-addr and --master-port (the same on every host)")
+        if not os.environ.get(SECRET_VAR):
+            parser.error(f"a job on several hosts needs the same {SECRET_VAR} exported on every host: "
+                         f"export {SECRET_VAR}=$(python3 -c 'import secrets; print(secrets.token_hex(32))')")
+        if not 0 <= args.node_rank < args.nnodes:
+            parser.error(f"--node-rank {args.node_rank} is out of range for --nnodes {args.nnodes}")
+    first = args.first_rank if args.first_rank is not None else args.node_rank * args.nproc
+    size = args.world_size if args.world_size is not None else args.nnodes * args.nproc
     sys.exit(asyncio.run(launch(args.nproc, args.program, tag_output=args.tag_output,
-                                master_addr=args.master_addr, master_port=args.master_port,
-                                grace=args.grace)))
+                                master_addr=args.master_addr or "127.0.0.1", master_port=args.master_port,
+                                grace=args.grace, first_rank=first, world_size=size)))
 
 
 if __name__ == "__main__":

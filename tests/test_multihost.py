@@ -64,3 +64,50 @@ def test_every_collective_across_hosts(layout: list[int]) -> None:
         host, sdma, rdma = int(match.group(2)), int(match.group(4)), int(match.group(5))
         assert rdma > 0, f"rank {rank} sent nothing across hosts"
         assert (sdma > 0) == (layout[host] > 1), f"rank {rank}: {sdma} sdma bytes with {layout[host]} ranks on its host"
+
+
+def worker_env(layout: list[int]) -> dict[str, str]:
+    return {**os.environ, "AHCOMM_BUFFSIZE": "0.0625", "AHCOMM_EXEC_TIMEOUT": "60", "AHCOMM_CONNECT_TIMEOUT": "60",
+            "MH_LAYOUT": ",".join(map(str, layout)), "PYTHONPATH": str(HERE), "AHCOMM_JOB_SECRET": SECRET}
+
+
+def ok_ranks(output: str) -> set[int]:
+    return {int(m) for m in re.findall(r"OK rank (\d+)/", output)}
+
+
+@pytest.mark.skipif(not AVAILABLE, reason=f"no network namespaces here: {WHY}")
+def test_launcher_torchrun_style_once_per_host() -> None:
+    """``ahcomm-run --nnodes 2 --node-rank R --nproc-per-node 2 --master-addr A --master-port P``
+    run once inside each host."""
+    layout = [2, 2]
+    with Fabric(2) as fabric:
+        port = 29000 + os.getpid() % 1000
+        procs = []
+        for node in range(2):
+            env = {**worker_env(layout), "AHCOMM_SERVER_ID": f"host{node}"}
+            argv = [sys.executable, "-m", "ahcomm.run", "--nnodes", "2", "--node-rank", str(node),
+                    "--nproc-per-node", "2", "--master-addr", fabric.address(0), "--master-port", str(port),
+                    str(HERE / "mh_worker.py")]
+            procs.append(fabric.popen(node, argv, env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+        outputs = [p.communicate(timeout=240)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), "\n".join(outputs)
+    assert ok_ranks(outputs[0]) == {0, 1} and ok_ranks(outputs[1]) == {2, 3}, outputs
+
+
+@pytest.mark.skipif(not AVAILABLE, reason=f"no network namespaces here: {WHY}")
+def test_launcher_mpirun_style_hosts_over_rsh(tmp_path: Path) -> None:
+    """``ahcomm-run -H a:3,b:1`` (and --hostfile) starts both hosts' ranks through AHCOMM_RSH;
+    the secret reaches them on standard input, never on a command line."""
+    layout = [3, 1]
+    with Fabric(2) as fabric:
+        hosts = {fabric.address(h): fabric.names[h] for h in range(2)}
+        env = {**worker_env(layout), "AHCOMM_RSH": f"{sys.executable} {HERE / 'fake_rsh.py'}",
+               "FAKE_RSH_HOSTS": ",".join(f"{a}={n}" for a, n in hosts.items())}
+        hostfile = tmp_path / "hosts"
+        hostfile.write_text(f"# two hosts\n{fabric.address(0)} slots=3\n{fabric.address(1)} slots=1\n")
+        for how in (["-H", f"{fabric.address(0)}:3,{fabric.address(1)}:1"], ["--hostfile", str(hostfile)]):
+            proc = subprocess.run([sys.executable, "-m", "ahcomm.run", *how, "--tag-output", str(HERE / "mh_worker.py")],
+                                  env=env, capture_output=True, text=True, timeout=240)
+            assert proc.returncode == 0, proc.stdout + proc.stderr
+            assert ok_ranks(proc.stdout) == {0, 1, 2, 3}, proc.stdout
+            assert SECRET not in proc.stdout + proc.stderr

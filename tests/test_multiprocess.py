@@ -139,3 +139,22 @@ def test_launcher_stops_the_job_when_a_rank_is_killed_mid_collective(tmp_path: P
     proc = launch(3, str(script), timeout=60)
     assert proc.returncode == 128 + 9, proc.stdout + proc.stderr
     assert "ahcomm-run: rank 1 was killed by signal 9; stopping the other ranks" in proc.stderr
+
+
+def test_launcher_multi_host_arguments_are_checked(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if k != "AHCOMM_JOB_SECRET"}
+    base = [sys.executable, "-m", "ahcomm.run"]
+    no_secret = subprocess.run([*base, "--nnodes", "2", "--nproc-per-node", "1", "--master-addr", "10.0.0.1",
+                                "--master-port", "29500", "python", "-c", "pass"], env=env, capture_output=True, text=True)
+    assert no_secret.returncode != 0 and "AHCOMM_JOB_SECRET exported on every host" in no_secret.stderr
+    no_master = subprocess.run([*base, "--nnodes", "2", "--nproc-per-node", "1", "python", "-c", "pass"],
+                               env={**env, "AHCOMM_JOB_SECRET": "x" * 32}, capture_output=True, text=True)
+    assert no_master.returncode != 0 and "--master-addr and --master-port" in no_master.stderr
+    bad_hosts = subprocess.run([*base, "-H", "a:0", "python", "-c", "pass"], capture_output=True, text=True)
+    assert bad_hosts.returncode != 0 and "bad host entry 'a:0'" in bad_hosts.stderr
+    from ahcomm.run import parse_hosts, read_hostfile
+
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("# comment\nnode1 slots=4\nnode2:2\nnode3\n")
+    assert read_hostfile(str(hostfile)) == [("node1", 4), ("node2", 2), ("node3", 1)]
+    assert parse_hosts("a:2, b") == [("a", 2), ("b", 1)]
