@@ -54,6 +54,7 @@ from ._errors import (
     UsageError,
 )
 from ._p2p import P2POp
+from ._rootinfo import get_root_info
 
 __version__ = "0.1.0"
 
@@ -63,6 +64,6 @@ __all__ = [
     "P2POp", "PeerFailure", "ReduceOp", "SUPPORTED_DTYPES", "TransportError", "UsageError", "algorithms",
     "all_gather", "all_gather_object", "all_gather_v", "all_reduce", "all_to_all", "all_to_all_v", "barrier",
     "batch_send_recv", "broadcast", "broadcast_object", "default_comm", "finalize", "gather", "gather_object",
-    "gather_v", "get_rank", "get_world_size", "init", "init_inprocess", "recv", "reduce", "reduce_scatter",
+    "gather_v", "get_rank", "get_root_info", "get_world_size", "init", "init_inprocess", "recv", "reduce", "reduce_scatter",
     "reduce_scatter_v", "scatter", "scatter_v", "send", "__version__",
 ]

@@ -12,20 +12,33 @@ from ._collectives import Gathered
 from ._comm import Comm
 from ._config import Config
 from ._dtypes import ReduceOp
-from ._errors import CommClosedError
+from ._errors import CommClosedError, ConfigError
 from ._p2p import P2POp
+from ._rootinfo import config_from_rank_table, config_from_root_info
 
 _default: Comm | None = None
 
 
 async def init(*, rank: int | None = None, world_size: int | None = None, master_addr: str | None = None,
-               master_port: int | None = None, config: Config | None = None) -> Comm:
+               master_port: int | None = None, config: Config | None = None, root_info: str | None = None,
+               rank_table: str | None = None) -> Comm:
     """Create a communicator for this process's job and make it the default one.
 
     Rank, world size and the rendezvous address come from the launcher's environment
-    (ahcomm-run, torchrun, OpenMPI, PMI, Slurm); explicit arguments win.
+    (ahcomm-run, torchrun, OpenMPI, PMI, Slurm), or from a ``root_info`` token
+    (``get_root_info()`` on the root, HcclCommInitRootInfo's way) or an HCCL ``rank_table``
+    file; explicit arguments win.
     """
     global _default
+    if root_info is not None or rank_table is not None:
+        base = config or Config.from_env()
+        if root_info is not None:
+            config = config_from_root_info(root_info, base)
+        else:
+            if rank is None:
+                raise ConfigError("init(rank_table=...) needs rank=: which rank of the table this process is")
+            config = config_from_rank_table(str(rank_table), rank, base, master_port)
+            world_size = world_size or config.world_size
     _default = await create(config, rank=rank, world_size=world_size, master_addr=master_addr,
                             master_port=master_port)
     return _default
