@@ -18,7 +18,7 @@ from ._buffers import CclBuffers
 from ._comm import Comm
 from ._config import Config
 from ._errors import ConfigError, ConnectError
-from ._rendezvous import host_identity, local_address, register, serve
+from ._rendezvous import host_identity, interface_addresses, local_address, match_interface, register, serve
 from .algorithms import REGISTRY
 from .algorithms._cost import CostModel
 from .algorithms._cost import load as load_cost_model
@@ -34,6 +34,19 @@ from .transports.sdma import SdmaLink
 
 HELLO_INDEX = 0xFFFF  # notify index of the connection handshake (never used by algorithms)
 log = logging.getLogger("ahcomm.security")
+
+
+def _interface(cfg: Config) -> str | None:
+    """The address AHCOMM_SOCKET_IFNAME selects (None when it is not set)."""
+    if not cfg.socket_ifname:
+        return None
+    interfaces = interface_addresses()
+    addr = match_interface(cfg.socket_ifname, interfaces)
+    if addr is None:
+        have = ", ".join(f"{n} ({a})" for n, a in interfaces) or "none"
+        raise ConfigError(f"AHCOMM_SOCKET_IFNAME={cfg.socket_ifname!r} matches no interface with an IPv4 "
+                          f"address; this host has: {have}")
+    return addr
 
 
 def _resolve_config(config: Config | None, rank: int | None, world_size: int | None,
@@ -75,7 +88,7 @@ async def create(config: Config | None = None, *, rank: int | None = None, world
         log.warning("AHCOMM_INSECURE=1 and no AHCOMM_JOB_SECRET: this job's connections are not authenticated")
     try:
         if size > 1:
-            tcp_host = cfg.if_ip or local_address(cfg.master_addr)
+            tcp_host = cfg.if_ip or _interface(cfg) or local_address(cfg.master_addr)
             channel = Channel(rank, buffers, ipc=shared, tcp_host=tcp_host, creds=creds, heartbeat=cfg.heartbeat,
                               max_message=cfg.max_message)
             info = {

@@ -123,6 +123,7 @@ class Config:
     connect_timeout: float = 120.0
     exec_timeout: float = 1800.0
     if_ip: str | None = None  # address this rank's tcp endpoint binds to
+    socket_ifname: str | None = None  # AHCOMM_SOCKET_IFNAME: interfaces to pick it from (NCCL's grammar)
     server_id: str | None = None  # host identity override
     single_copy: bool = True  # AHCOMM_SINGLE_COPY=0 turns off reads of peers' memory
     job_secret: str | None = field(default=None, repr=False)  # AHCOMM_JOB_SECRET: authenticates every connection
@@ -154,6 +155,7 @@ class Config:
             connect_timeout=_float(env, "AHCOMM_CONNECT_TIMEOUT", 120.0),
             exec_timeout=_float(env, "AHCOMM_EXEC_TIMEOUT", 1800.0),
             if_ip=_address(env, "AHCOMM_IF_IP", env.get("AHCOMM_IF_IP") or None),
+            socket_ifname=env.get("AHCOMM_SOCKET_IFNAME") or None,
             server_id=env.get("AHCOMM_SERVER_ID") or None,
             single_copy=env.get("AHCOMM_SINGLE_COPY", "1").strip().lower() not in ("0", "false", "no", "off"),
             job_secret=env.get("AHCOMM_JOB_SECRET") or None,

@@ -130,6 +130,41 @@ def host_identity(override: str | None = None) -> str:
     return f"{socket.gethostname()}/{boot}"
 
 
+def interface_addresses() -> list[tuple[str, str]]:
+    """(interface name, IPv4 address) of this host's interfaces that have one, in index order."""
+    import fcntl
+    import struct
+
+    out = []
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        for _, name in socket.if_nameindex():
+            try:
+                raw = fcntl.ioctl(probe.fileno(), 0x8915, struct.pack("256s", name[:15].encode()))  # SIOCGIFADDR
+            except OSError:
+                continue  # no IPv4 address
+            out.append((name, socket.inet_ntoa(raw[20:24])))
+    return out
+
+
+def match_interface(spec: str, interfaces: list[tuple[str, str]]) -> str | None:
+    """The address of the first interface ``spec`` selects, in NCCL_SOCKET_IFNAME's grammar:
+    ``eth`` (name prefixes, comma-separated), ``^docker,lo`` (all but those prefixes),
+    ``=eth0`` (exact names). Interfaces are tried in index order."""
+    spec = spec.strip()
+    exact, exclude = spec.startswith("="), spec.startswith("^")
+    names = [n.strip() for n in spec.lstrip("=^").split(",") if n.strip()]
+    for name, addr in interfaces:
+        if exact:
+            hit = name in names
+        elif exclude:
+            hit = not any(name.startswith(n) for n in names)
+        else:
+            hit = any(name.startswith(n) for n in names)
+        if hit:
+            return addr
+    return None
+
+
 def local_address(master_addr: str) -> str:
     """The address of the interface this host uses to reach ``master_addr``."""
     try:

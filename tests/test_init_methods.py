@@ -84,3 +84,22 @@ def test_rank_table_errors_name_the_problem(tmp_path: Path) -> None:
         asyncio.run(ahcomm.init(rank_table=str(bad), rank=0))
     with pytest.raises(ahcomm.ConfigError, match="needs rank="):
         asyncio.run(ahcomm.init(rank_table=str(bad)))
+
+
+def test_socket_ifname_grammar_picks_the_interface() -> None:
+    from ahcomm._rendezvous import match_interface
+
+    have = [("lo", "127.0.0.1"), ("docker0", "172.17.0.1"), ("eth0", "10.1.0.5"), ("eth1", "10.2.0.5")]
+    assert match_interface("eth", have) == "10.1.0.5"
+    assert match_interface("=eth1", have) == "10.2.0.5"
+    assert match_interface("^docker,lo", have) == "10.1.0.5"
+    assert match_interface("=eth", have) is None
+    assert match_interface("ib,eth1", have) == "10.2.0.5"
+
+
+def test_socket_ifname_that_matches_nothing_names_what_there_is() -> None:
+    import asyncio
+
+    cfg = ahcomm.Config.from_env({"AHCOMM_SOCKET_IFNAME": "=nosuchif0", "AHCOMM_JOB_SECRET": "s" * 32})
+    with pytest.raises(ahcomm.ConfigError, match=r"AHCOMM_SOCKET_IFNAME='=nosuchif0' matches no interface.*lo \(127"):
+        asyncio.run(ahcomm.init(config=cfg, rank=0, world_size=2, master_port=1))
