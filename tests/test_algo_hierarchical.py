@@ -262,3 +262,19 @@ def test_select_and_cost() -> None:
     ring = REGISTRY.algorithms["ring"].cost(big, topo([4, 4], 0), model)
     mine = hier.cost(big, topo([4, 4], 0), model)
     assert ring is not None and mine is not None and mine < ring  # fewer bytes over the slow links
+
+
+async def test_ahcomm_algo_level1_runs_hier_with_that_algorithm_between_servers() -> None:
+    comms = await ahcomm.init_inprocess(4, algo="level0:NA;level1:rhd")
+    try:
+        for c in comms:
+            c._set_topology(dataclasses.replace(c.topology, hosts=("a", "a", "b", "b")))
+        chosen = comms[0]._selector.choose(Call("all_reduce", 0, np.dtype(np.float32), 8), comms[0].topology)
+        assert chosen.name == "hier" and chosen is hierarchical.with_level1("rhd")
+        flat = comms[0]._selector.choose(Call("all_to_all", 0, np.dtype(np.float32), 2, counts=(2,) * 4,
+                                              recv_counts=(2,) * 4), comms[0].topology)
+        assert flat.name != "hier"  # hier has no all_to_all: the default rule
+        got = await asyncio.gather(*(c.all_reduce(np.full(8, c.rank + 1.0)) for c in comms))
+        assert all(np.all(g == 10.0) for g in got)
+    finally:
+        await asyncio.gather(*(c.close() for c in comms))

@@ -2,7 +2,9 @@
 
 AHCOMM_ALGO follows HCCL_ALGO's grammar: ``"level0:NA;level1:ring"`` for every op, or per
 op ``"allreduce=level0:NA;level1:ring/allgather=level1:mesh"``. ``NA`` leaves a level to
-the default rule. Level 0 applies inside one server, level 1 when ranks span servers.
+the default rule. Level 0 applies inside one server, level 1 when ranks span servers; there,
+``level1:ring`` or ``level1:rhd`` runs the two-level ``hier`` algorithm with that algorithm
+between servers (for the ops it has; others run the named algorithm flat).
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import math
 
 from .._errors import ConfigError, InvalidArgument
+from . import hierarchical
 from ._cost import CostModel
 from .base import Algorithm, Call, Registry, Topology
 
@@ -64,6 +67,11 @@ class Selector:
 
     def choose(self, call: Call, topo: Topology, override: str | None = None) -> Algorithm:
         name = override.lower() if override else self._from_env(call, topo)
+        if name in hierarchical.LEVEL1 and not override and topo.servers > 1:
+            # HCCL_ALGO's level1 names the algorithm between servers of a two-level collective.
+            hier = hierarchical.with_level1(name)
+            if hier.select(call, topo):
+                return hier
         if name is not None and not override and call.op not in self.env:
             # The all-ops form names an algorithm for what it can serve; the rest keep the rule.
             algorithm = self.registry.algorithms.get(name)
