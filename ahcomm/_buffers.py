@@ -3,18 +3,62 @@
 A ``SharedRegion`` is a POSIX shared-memory file mapped into this process; peers on the
 same host map it by name. ``LocalRegion`` is plain memory (in-process transport, or a
 rank whose peers are all remote). Both expose ``.array``, a uint8 numpy view.
+
+Names are ``ahcomm-<creator pid>-<tag>-<random>``. A name is unlinked as soon as every
+peer has mapped it, so only a job that dies during set-up leaves names behind;
+``reclaim_stale()`` (run before this process creates its own) unlinks those whose creator
+is no longer alive.
 """
 
 from __future__ import annotations
 
 import mmap
 import os
+import re
 import secrets
 
 import numpy as np
 
 SHM_DIR = "/dev/shm"
 SHM_PREFIX = "ahcomm-"
+_NAME = re.compile(rf"^{re.escape(SHM_PREFIX)}(\d+)-")
+
+
+def _alive(pid: int) -> bool:
+    if pid <= 0:
+        return True  # not a name of ours: leave it
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # alive, another user's
+    return True
+
+
+def reclaim_stale(directory: str = SHM_DIR) -> list[str]:
+    """Unlink the shared-memory segments of dead ahcomm processes on this host (their creator's
+    pid, encoded in the name, no longer runs); return the names removed. Segments of live
+    processes and of other users stay; errors are ignored (best effort, safe to race)."""
+    removed: list[str] = []
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return removed
+    uid = os.getuid() if hasattr(os, "getuid") else None
+    for name in names:
+        match = _NAME.match(name)
+        if match is None or _alive(int(match.group(1))):
+            continue
+        path = os.path.join(directory, name)
+        try:
+            if uid is not None and os.lstat(path).st_uid != uid:
+                continue
+            os.unlink(path)
+        except OSError:
+            continue
+        removed.append(name)
+    return removed
 
 
 class Region:
@@ -97,6 +141,8 @@ class CclBuffers:
 
     @classmethod
     def shared(cls, nbytes: int, tag: str) -> "CclBuffers":
+        """CCL_In and CCL_Out in shared memory (stale segments of dead jobs are reclaimed first)."""
+        reclaim_stale()
         ccl_in = SharedRegion.create(nbytes, f"{tag}-in")
         try:
             ccl_out = SharedRegion.create(nbytes, f"{tag}-out")

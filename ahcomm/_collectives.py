@@ -54,15 +54,15 @@ class BlockedCollectives:
         def _submit(self, call: Call, src: np.ndarray, dst: np.ndarray, result: Any,
                     finish: Callable[[], None] | None, algorithm: str | None, *,
                     prepare: Callable[[_Job], None] | None = None,
-                    later: bool = False) -> asyncio.Future[Any]: ...
-        def all_gather(self, x: Any, *, out: np.ndarray | None = None,
-                       algorithm: str | None = None) -> asyncio.Future[np.ndarray]: ...
-        def broadcast(self, x: Any, root: int = 0, *, out: np.ndarray | None = None,
-                      algorithm: str | None = None) -> asyncio.Future[np.ndarray]: ...
+                    later: bool = False, timeout: float | None = None) -> asyncio.Future[Any]: ...
+        def all_gather(self, x: Any, *, out: np.ndarray | None = None, algorithm: str | None = None,
+                       timeout: float | None = None) -> asyncio.Future[np.ndarray]: ...
+        def broadcast(self, x: Any, root: int = 0, *, out: np.ndarray | None = None, algorithm: str | None = None,
+                      timeout: float | None = None) -> asyncio.Future[np.ndarray]: ...
 
     # -- public ------------------------------------------------------------------------------
     def reduce(self, x: Any, op: ReduceOp | str = "sum", root: int = 0, *, out: np.ndarray | None = None,
-               algorithm: str | None = None) -> "asyncio.Future[np.ndarray | None]":
+               algorithm: str | None = None, timeout: float | None = None) -> "asyncio.Future[np.ndarray | None]":
         """Elementwise reduction of ``x`` over all ranks, delivered to ``root`` (None elsewhere)."""
         arr, dtype = self._input(x, "reduce")
         redop = ReduceOp.parse(op)
@@ -71,26 +71,27 @@ class BlockedCollectives:
         src = np.ascontiguousarray(arr).reshape(-1)
         call = Call(op="reduce", seq=self._seq, dtype=dtype, count=arr.size, redop=redop, root=int(root))
         if self.rank != root:
-            return self._submit(call, src, src[:0], None, None, algorithm)
+            return self._submit(call, src, src[:0], None, None, algorithm, timeout=timeout)
         result = self._output("reduce", out, arr.shape, dtype)
         dst = _flat(result)
         if result is arr and arr.flags.c_contiguous:
             src = dst
         elif out is not None and np.may_share_memory(result, arr):
             src = src.copy()
-        return self._submit(call, src, dst, result, self._finish(dst, result, redop), algorithm)
+        return self._submit(call, src, dst, result, self._finish(dst, result, redop), algorithm, timeout=timeout)
 
     def gather(self, x: Any, root: int = 0, *, out: np.ndarray | None = None,
-               algorithm: str | None = None) -> "asyncio.Future[np.ndarray | None]":
+               algorithm: str | None = None, timeout: float | None = None) -> "asyncio.Future[np.ndarray | None]":
         """Every rank's ``x`` concatenated along axis 0 at ``root`` (None elsewhere)."""
         arr, _ = self._input(x, "gather")
         self._check_root(root, "gather")
         arr = arr.reshape(1, *arr.shape) if arr.ndim == 0 else arr
         rows = (arr.shape[0],) * self.size
-        return self._gather(arr, root, rows, out, algorithm, "gather", uneven=False)
+        return self._gather(arr, root, rows, out, algorithm, "gather", uneven=False, timeout=timeout)
 
     def gather_v(self, x: Any, root: int = 0, *, counts: Sequence[int] | None = None,
-                 out: np.ndarray | None = None, algorithm: str | None = None) -> "asyncio.Future[Gathered | None]":
+                 out: np.ndarray | None = None, algorithm: str | None = None,
+                 timeout: float | None = None) -> "asyncio.Future[Gathered | None]":
         """Like ``gather`` with a row count per rank; ``root`` gets ``Gathered(data, counts)``.
 
         ``counts`` (rows per rank, the same on every rank) saves an exchange when known.
@@ -100,12 +101,13 @@ class BlockedCollectives:
         self._check_rows(arr, "gather_v")
         if counts is not None:
             rows = self._check_counts(counts, "gather_v", own=arr.shape[0])
-            return self._gather(arr, root, rows, out, algorithm, "gather_v", uneven=True)
-        shapes = self.all_gather(np.array([arr.shape[0], _row_size(arr)], np.int64))
-        return self._gather(arr, root, None, out, algorithm, "gather_v", uneven=True, shapes=shapes)
+            return self._gather(arr, root, rows, out, algorithm, "gather_v", uneven=True, timeout=timeout)
+        shapes = self.all_gather(np.array([arr.shape[0], _row_size(arr)], np.int64), timeout=timeout)
+        return self._gather(arr, root, None, out, algorithm, "gather_v", uneven=True, shapes=shapes,
+                            timeout=timeout)
 
     def all_gather_v(self, x: Any, *, counts: Sequence[int] | None = None, out: np.ndarray | None = None,
-                     algorithm: str | None = None) -> "asyncio.Future[Gathered]":
+                     algorithm: str | None = None, timeout: float | None = None) -> "asyncio.Future[Gathered]":
         """Every rank's ``x`` (row counts may differ) concatenated along axis 0, on every rank."""
         arr, dtype = self._input(x, "all_gather_v")
         self._check_rows(arr, "all_gather_v")
@@ -122,14 +124,16 @@ class BlockedCollectives:
 
         if counts is not None:
             rows = self._check_counts(counts, "all_gather_v", own=arr.shape[0])
-            return self._submit(call, src, src, None, None, algorithm, prepare=lambda job: prepare(job, rows))
-        shapes = self.all_gather(np.array([arr.shape[0], row], np.int64))
+            return self._submit(call, src, src, None, None, algorithm, prepare=lambda job: prepare(job, rows),
+                                timeout=timeout)
+        shapes = self.all_gather(np.array([arr.shape[0], row], np.int64), timeout=timeout)
         call.seq = self._seq
-        return self._submit(call, src, src, None, None, algorithm, later=True,
+        return self._submit(call, src, src, None, None, algorithm, later=True, timeout=timeout,
                             prepare=lambda job: prepare(job, self._exchanged_rows(shapes, "all_gather_v", row)))
 
     def reduce_scatter_v(self, x: Any, counts: Sequence[int], op: ReduceOp | str = "sum", *,
-                         out: np.ndarray | None = None, algorithm: str | None = None) -> "asyncio.Future[np.ndarray]":
+                         out: np.ndarray | None = None, algorithm: str | None = None,
+                         timeout: float | None = None) -> "asyncio.Future[np.ndarray]":
         """Reduce ``x`` over ranks; rank r gets the r-th block of ``counts`` rows (sum = x.shape[0])."""
         arr, dtype = self._input(x, "reduce_scatter_v")
         redop = ReduceOp.parse(op)
@@ -144,10 +148,10 @@ class BlockedCollectives:
             src = src.copy()
         call = Call(op="reduce_scatter_v", seq=self._seq, dtype=dtype, count=dst.size, redop=redop,
                     counts=tuple(r * row for r in rows))
-        return self._submit(call, src, dst, result, self._finish(dst, result, redop), algorithm)
+        return self._submit(call, src, dst, result, self._finish(dst, result, redop), algorithm, timeout=timeout)
 
     def scatter(self, x: Any, root: int = 0, *, out: np.ndarray | None = None,
-                algorithm: str | None = None) -> "asyncio.Future[np.ndarray]":
+                algorithm: str | None = None, timeout: float | None = None) -> "asyncio.Future[np.ndarray]":
         """Block r of the root's ``x`` (axis 0, divisible by the world size) to rank r.
 
         Other ranks' ``x`` (or ``out``) gives only the shape and dtype; ``x`` may be None
@@ -155,10 +159,10 @@ class BlockedCollectives:
         """
         self._check_root(root, "scatter")
         arr = self._template(x, out, "scatter", root)
-        return self._scatter(arr, root, self._even_rows(arr, "scatter"), out, algorithm, "scatter")
+        return self._scatter(arr, root, self._even_rows(arr, "scatter"), out, algorithm, "scatter", timeout=timeout)
 
     def scatter_v(self, x: Any, counts: Sequence[int], root: int = 0, *, out: np.ndarray | None = None,
-                  algorithm: str | None = None) -> "asyncio.Future[np.ndarray]":
+                  algorithm: str | None = None, timeout: float | None = None) -> "asyncio.Future[np.ndarray]":
         """Block r (``counts[r]`` rows of the root's ``x``) to rank r.
 
         Every rank passes the same ``counts``; other ranks' ``x`` (or ``out``) gives only
@@ -168,18 +172,19 @@ class BlockedCollectives:
         arr = self._template(x, out, "scatter_v", root)
         self._check_rows(arr, "scatter_v")
         rows = self._check_counts(counts, "scatter_v", total=arr.shape[0] if self.rank == root else None)
-        return self._scatter(arr, root, rows, out, algorithm, "scatter_v")
+        return self._scatter(arr, root, rows, out, algorithm, "scatter_v", timeout=timeout)
 
     def all_to_all(self, x: Any, *, out: np.ndarray | None = None,
-                   algorithm: str | None = None) -> "asyncio.Future[np.ndarray]":
+                   algorithm: str | None = None, timeout: float | None = None) -> "asyncio.Future[np.ndarray]":
         """Block j (axis 0, divisible by the world size) of ``x`` goes to rank j; the result
         holds the block every rank sent here, in rank order (same shape as ``x``)."""
         arr, _ = self._input(x, "all_to_all")
         rows = self._even_rows(arr, "all_to_all")
-        return self._all_to_all(arr, rows, rows, out, algorithm, "all_to_all")
+        return self._all_to_all(arr, rows, rows, out, algorithm, "all_to_all", timeout=timeout)
 
     def all_to_all_v(self, x: Any, send_counts: Sequence[int], *, recv_counts: Sequence[int] | None = None,
-                     out: np.ndarray | None = None, algorithm: str | None = None) -> "asyncio.Future[Gathered]":
+                     out: np.ndarray | None = None, algorithm: str | None = None,
+                     timeout: float | None = None) -> "asyncio.Future[Gathered]":
         """``send_counts[j]`` rows of ``x`` (in order) go to rank j; returns ``Gathered(data,
         recv_counts)``. Receive counts are exchanged for you unless given."""
         arr, _ = self._input(x, "all_to_all_v")
@@ -187,9 +192,10 @@ class BlockedCollectives:
         send = self._check_counts(send_counts, "all_to_all_v", total=arr.shape[0], name="send_counts")
         if recv_counts is not None:
             recv = self._check_counts(recv_counts, "all_to_all_v", name="recv_counts")
-            return self._all_to_all(arr, send, recv, out, algorithm, "all_to_all_v")
-        exchanged = self.all_to_all(np.array(send, np.int64))
-        return self._all_to_all(arr, send, None, out, algorithm, "all_to_all_v", exchanged=exchanged)
+            return self._all_to_all(arr, send, recv, out, algorithm, "all_to_all_v", timeout=timeout)
+        exchanged = self.all_to_all(np.array(send, np.int64), timeout=timeout)
+        return self._all_to_all(arr, send, None, out, algorithm, "all_to_all_v", exchanged=exchanged,
+                                timeout=timeout)
 
     # -- plumbing ----------------------------------------------------------------------------
     def _finish(self, dst: np.ndarray, result: np.ndarray, redop: ReduceOp | None) -> Callable[[], None] | None:
@@ -257,7 +263,8 @@ class BlockedCollectives:
 
     def _gather(self, arr: np.ndarray, root: int, rows: tuple[int, ...] | None, out: np.ndarray | None,
                 algorithm: str | None, op: str, *, uneven: bool,
-                shapes: "asyncio.Future[np.ndarray] | None" = None) -> "asyncio.Future[Any]":
+                shapes: "asyncio.Future[np.ndarray] | None" = None,
+                timeout: float | None = None) -> "asyncio.Future[Any]":
         dtype, row = arr.dtype, _row_size(arr)
         src = np.ascontiguousarray(arr).reshape(-1)
         call = Call(op=op, seq=self._seq, dtype=dtype, count=src.size, root=int(root))
@@ -271,10 +278,11 @@ class BlockedCollectives:
                 job.finish = self._finish(job.dst, result, None)
                 job.result = Gathered(result, got) if uneven else result
 
-        return self._submit(call, src, src[:0], None, None, algorithm, prepare=prepare, later=rows is None)
+        return self._submit(call, src, src[:0], None, None, algorithm, prepare=prepare, later=rows is None,
+                            timeout=timeout)
 
     def _scatter(self, arr: np.ndarray, root: int, rows: tuple[int, ...], out: np.ndarray | None,
-                 algorithm: str | None, op: str) -> "asyncio.Future[Any]":
+                 algorithm: str | None, op: str, *, timeout: float | None = None) -> "asyncio.Future[Any]":
         dtype, row = arr.dtype, _row_size(arr)
         src = np.ascontiguousarray(arr).reshape(-1) if self.rank == root else np.empty(0, dtype)
         mine = rows[self.rank]
@@ -284,11 +292,12 @@ class BlockedCollectives:
             src = src.copy()
         call = Call(op=op, seq=self._seq, dtype=dtype, count=mine * row, root=int(root),
                     counts=tuple(r * row for r in rows))
-        return self._submit(call, src, dst, result, self._finish(dst, result, None), algorithm)
+        return self._submit(call, src, dst, result, self._finish(dst, result, None), algorithm, timeout=timeout)
 
     def _all_to_all(self, arr: np.ndarray, send: tuple[int, ...], recv: tuple[int, ...] | None,
                     out: np.ndarray | None, algorithm: str | None, op: str, *,
-                    exchanged: "asyncio.Future[np.ndarray] | None" = None) -> "asyncio.Future[Any]":
+                    exchanged: "asyncio.Future[np.ndarray] | None" = None,
+                    timeout: float | None = None) -> "asyncio.Future[Any]":
         dtype, row = arr.dtype, _row_size(arr)
         src = np.ascontiguousarray(arr).reshape(-1)
         call = Call(op=op, seq=self._seq, dtype=dtype, count=send[self.rank] * row,
@@ -304,4 +313,5 @@ class BlockedCollectives:
             job.result = result if op == "all_to_all" else Gathered(result, got)
             job.finish = self._finish(job.dst, result, None)
 
-        return self._submit(call, src, src[:0], None, None, algorithm, prepare=prepare, later=recv is None)
+        return self._submit(call, src, src[:0], None, None, algorithm, prepare=prepare, later=recv is None,
+                            timeout=timeout)

@@ -6,27 +6,60 @@ one at a time in sequence order (the communicator's stream), so several may be i
 (``asyncio.gather(comm.all_reduce(a), comm.all_reduce(b))``) and each still meets its
 twin on every rank. Cancelling the awaiting task does not withdraw an issued collective:
 it completes in the background (its peers depend on it) and later ones are unaffected.
+
+Reliability (always on):
+
+* Mismatch detection: every signal a peer posts carries the fingerprint of its call (see
+  ``Call.fingerprint``); the link hands it to ``_on_fingerprint``, which compares it with this
+  rank's own call of that sequence number (a dict lookup). A fingerprint for a call not
+  issued here yet is kept and checked when it is. A collective that runs longer than
+  ``PROBE_AFTER`` also announces its fingerprint to every peer by control message, so calls
+  whose signals never meet are caught too. On a difference the communicator stops at once,
+  asks the peer to describe its call (control request, ``REPLY_WAIT``) and fails every rank
+  with ``CollectiveMismatchError`` naming both calls.
+* Timeouts: ``AHCOMM_EXEC_TIMEOUT`` or a call's ``timeout=`` (seconds from when it starts
+  running). On expiry every peer is asked where it stands, and ``CollectiveTimeout`` names the
+  ranks that had not arrived; the peers are told the same.
+* A lost peer (``Link.on_lost``: the transport saw its socket close or its heartbeats stop)
+  fails the communicator with ``PeerFailure`` naming the peer and the collective in flight.
+* Every failure writes the flight recorder (``_flight``) as JSON and names the file; SIGUSR1
+  prints each communicator's state to stderr.
+
+Failures are final: pending collectives raise the error, later calls ``CommClosedError``
+naming it, and every peer is told (a control message giving the kind, then an abort).
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
+import threading
+import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable
+from typing import Any, Awaitable, Callable, Coroutine
 
+import msgpack
 import numpy as np
 
+from . import _flight
 from ._buffers import CclBuffers
 from ._collectives import BlockedCollectives
 from ._objects import ObjectCollectives
 from ._p2p import PointToPoint
 from ._dtypes import ReduceOp, check_dtype, check_reduce, finish_avg, ufunc_for
-from ._errors import CollectiveTimeout, CommClosedError, InvalidArgument, PeerFailure, UsageError
+from ._errors import (AhcommError, CollectiveMismatchError, CollectiveTimeout, CommClosedError, InvalidArgument,
+                      PeerFailure, UsageError, check_timeout)
+from ._flight import Entry, FlightRecorder, describe
 from .algorithms._executor import Executor, Progress
 from .algorithms._selection import Selector
 from .algorithms.base import WHOLE, Algorithm, Call, Topology
 from .transports.base import Link
+
+PROBE_AFTER = 1.0  # seconds a collective runs before it announces its fingerprint to every peer
+REPLY_WAIT = 1.0  # seconds to wait for peers' answers (a call's description, where they stand)
+MAX_EARLY = 4096  # fingerprints kept for calls not issued here yet (bounded: peers run <= 2 ahead)
+_CONTROL = b"AHc1"  # prefix of this layer's control messages (msgpack follows)
 
 
 @dataclass(slots=True)
@@ -40,6 +73,14 @@ class _Job:
     future: asyncio.Future[Any]
     prepare: Callable[["_Job"], None] | None = None  # fills the job in when its turn comes
     override: str | None = None  # the per-call algorithm= (for a job prepared later)
+    timeout: float | None = None  # the per-call timeout= (None: AHCOMM_EXEC_TIMEOUT)
+    entry: Entry | None = None  # its flight-recorder entry
+    probed: bool = False  # its fingerprint was announced to the peers (it ran long)
+
+
+def _pack(msg: dict[str, Any]) -> bytes:
+    packed: bytes = msgpack.packb(msg, use_bin_type=True)
+    return _CONTROL + packed
 
 
 def _as_array(x: Any, what: str) -> np.ndarray:
@@ -67,13 +108,32 @@ class Comm(BlockedCollectives, ObjectCollectives, PointToPoint):
         self._queue: deque[_Job] = deque()
         self._worker: asyncio.Task[None] | None = None
         self._wakeup: asyncio.Future[None] | None = None
-        self._error: BaseException | None = None
+        self._error: BaseException | None = None  # set when the communicator stops (first failure)
+        self._final: BaseException | None = None  # the error every call gets (None while diagnosing)
         self._closed = False
+        self._closing = False  # close() passed its barrier: peers going away is expected
         self._running: _Job | None = None  # the collective the executor is running
         self._started = 0.0  # loop time it started
         self._watchdog: asyncio.TimerHandle | None = None
-        self._executor.on_peer_abort(self._peer_aborted)
+        self._done_seq = -1  # last collective completed here
+        self._started_seq = -1  # last collective started here (it may have failed since)
+        self._flight = FlightRecorder(rank, size)
+        self._fps: dict[int, int] = {}  # seq -> fingerprint of this rank's unfinished calls (0: not known yet)
+        self._early: dict[int, list[tuple[int, int]]] = {}  # seq -> [(peer, fingerprint)] not checkable yet
+        self._held: list[_Job] = []  # jobs that failed while a diagnosis runs: they get its verdict
+        self._diagnosis: asyncio.Task[None] | None = None
+        self._requests: dict[int, asyncio.Future[dict[str, Any]]] = {}
+        self._request_ids = itertools.count(1)
+        self._thread = threading.get_ident()
+        try:
+            self._loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+        except RuntimeError:
+            self._loop = None
+        self._executor.set_hooks(on_abort=self._peer_aborted, on_fingerprint=self._on_fingerprint,
+                                 on_control=self._on_control, on_lost=self._on_lost)
         self._p2p_init()
+        if self._loop is not None:
+            _flight.watch(self, self._loop)
 
     def __repr__(self) -> str:
         return f"<ahcomm.Comm rank={self.rank} size={self.size} seq={self._seq}>"
@@ -95,22 +155,23 @@ class Comm(BlockedCollectives, ObjectCollectives, PointToPoint):
 
     # -- collectives ------------------------------------------------------------------------
     def all_reduce(self, x: Any, op: ReduceOp | str = "sum", *, out: np.ndarray | None = None,
-                   algorithm: str | None = None) -> "asyncio.Future[np.ndarray]":
+                   algorithm: str | None = None, timeout: float | None = None) -> "asyncio.Future[np.ndarray]":
         """Elementwise reduction of ``x`` over all ranks; every rank gets the result."""
         arr, dtype = self._input(x, "all_reduce")
         redop = ReduceOp.parse(op)
         check_reduce(redop, dtype)
-        return self._issue("all_reduce", arr, arr.shape, arr.size, out, redop=redop, algorithm=algorithm)
+        return self._issue("all_reduce", arr, arr.shape, arr.size, out, redop=redop, algorithm=algorithm,
+                           timeout=timeout)
 
-    def all_gather(self, x: Any, *, out: np.ndarray | None = None,
-                   algorithm: str | None = None) -> "asyncio.Future[np.ndarray]":
+    def all_gather(self, x: Any, *, out: np.ndarray | None = None, algorithm: str | None = None,
+                   timeout: float | None = None) -> "asyncio.Future[np.ndarray]":
         """Concatenate every rank's ``x`` along axis 0, in rank order."""
         arr, _ = self._input(x, "all_gather")
         shape = (self.size * arr.shape[0], *arr.shape[1:]) if arr.ndim else (self.size,)
-        return self._issue("all_gather", arr, shape, arr.size, out, algorithm=algorithm)
+        return self._issue("all_gather", arr, shape, arr.size, out, algorithm=algorithm, timeout=timeout)
 
     def reduce_scatter(self, x: Any, op: ReduceOp | str = "sum", *, out: np.ndarray | None = None,
-                       algorithm: str | None = None) -> "asyncio.Future[np.ndarray]":
+                       algorithm: str | None = None, timeout: float | None = None) -> "asyncio.Future[np.ndarray]":
         """Reduce ``x`` over ranks and give rank r block r of axis 0."""
         arr, dtype = self._input(x, "reduce_scatter")
         redop = ReduceOp.parse(op)
@@ -123,21 +184,22 @@ class Comm(BlockedCollectives, ObjectCollectives, PointToPoint):
             )
         shape = (arr.shape[0] // self.size, *arr.shape[1:])
         return self._issue("reduce_scatter", arr, shape, arr.size // self.size, out, redop=redop,
-                           algorithm=algorithm)
+                           algorithm=algorithm, timeout=timeout)
 
     def broadcast(self, x: Any, root: int = 0, *, out: np.ndarray | None = None,
-                  algorithm: str | None = None) -> "asyncio.Future[np.ndarray]":
+                  algorithm: str | None = None, timeout: float | None = None) -> "asyncio.Future[np.ndarray]":
         """Every rank gets the root's ``x`` (other ranks' ``x`` gives only shape and dtype)."""
         arr, _ = self._input(x, "broadcast")
         self._check_root(root, "broadcast")
-        return self._issue("broadcast", arr, arr.shape, arr.size, out, root=root, algorithm=algorithm)
+        return self._issue("broadcast", arr, arr.shape, arr.size, out, root=root, algorithm=algorithm,
+                           timeout=timeout)
 
-    def barrier(self) -> "asyncio.Future[None]":
+    def barrier(self, *, timeout: float | None = None) -> "asyncio.Future[None]":
         """Wait until every rank has entered the barrier."""
         self._check_open()
         call = Call(op="barrier", seq=self._seq, dtype=np.dtype(np.uint8), count=0)
         empty = np.empty(0, np.uint8)
-        return self._submit(call, empty, empty, None, None, None)
+        return self._submit(call, empty, empty, None, None, None, timeout=timeout)
 
     # -- plumbing ---------------------------------------------------------------------------
     def _check_open(self) -> None:
@@ -156,8 +218,8 @@ class Comm(BlockedCollectives, ObjectCollectives, PointToPoint):
         return arr, check_dtype(arr.dtype, f"{what} input")
 
     def _issue(self, op: str, arr: np.ndarray, shape: tuple[int, ...], count: int, out: np.ndarray | None, *,
-               redop: ReduceOp | None = None, root: int = 0,
-               algorithm: str | None = None) -> "asyncio.Future[Any]":
+               redop: ReduceOp | None = None, root: int = 0, algorithm: str | None = None,
+               timeout: float | None = None) -> "asyncio.Future[Any]":
         dtype = arr.dtype
         result = self._output(op, out, shape, dtype)
         inplace = result is arr and arr.flags.c_contiguous
@@ -171,26 +233,36 @@ class Comm(BlockedCollectives, ObjectCollectives, PointToPoint):
         else:
             src = np.ascontiguousarray(arr).reshape(-1)
         call = Call(op=op, seq=self._seq, dtype=dtype, count=count, redop=redop, root=int(root))
-        return self._submit(call, src, dst, result, self._finisher(call, dst, result), algorithm)
+        return self._submit(call, src, dst, result, self._finisher(call, dst, result), algorithm, timeout=timeout)
 
     def _submit(self, call: Call, src: np.ndarray, dst: np.ndarray, result: Any,
                 finish: Callable[[], None] | None, algorithm: str | None, *,
-                prepare: Callable[[_Job], None] | None = None, later: bool = False) -> "asyncio.Future[Any]":
+                prepare: Callable[[_Job], None] | None = None, later: bool = False,
+                timeout: float | None = None) -> "asyncio.Future[Any]":
         """Queue ``call`` (its ``seq`` is the next sequence number) and return its future.
 
         ``prepare(job)`` fills in the job's arrays and counts: at once, or with ``later``
         when the worker reaches the job, once every earlier collective (a count exchange)
-        is done. The algorithm is chosen once the job is complete.
+        is done. The algorithm is chosen once the job is complete. ``timeout`` bounds the
+        run (None: AHCOMM_EXEC_TIMEOUT).
         """
         assert call.seq == self._seq
+        if timeout is not None:
+            timeout = check_timeout(timeout, call.op)
         job = _Job(call, None, src, dst, result, finish, asyncio.get_running_loop().create_future(),
-                   prepare if later else None, algorithm)
+                   prepare if later else None, algorithm, timeout)
         if not later:
             if prepare is not None:
                 prepare(job)
             job.algorithm = self._selector.choose(call, self.topology, algorithm)
+        job.entry = self._flight.issue(call, timeout)
         self._seq += 1
         self._enqueue(job)
+        if self.size > 1:
+            if later:
+                self._fps[call.seq] = 0  # known once prepared
+            else:
+                self._register(call.seq, call.fingerprint)
         return job.future
 
     def _enqueue(self, job: _Job) -> None:
@@ -233,9 +305,10 @@ class Comm(BlockedCollectives, ObjectCollectives, PointToPoint):
                 await self._wakeup
                 self._wakeup = None
             job = self._queue.popleft()
+            if self._error is not None:  # failing: the job gets the communicator's error (or its verdict)
+                self._job_failed(job, self._error)
+                continue
             try:
-                if self._error is not None:
-                    raise CommClosedError(f"communicator (rank {self.rank}) failed earlier: {self._error}")
                 await self._run(job)
             except asyncio.CancelledError as exc:
                 task = asyncio.current_task()
@@ -243,24 +316,38 @@ class Comm(BlockedCollectives, ObjectCollectives, PointToPoint):
                     if not job.future.done():
                         job.future.cancel()
                     raise
-                self._collective_failed(job, exc)
+                self._job_failed(job, exc)
             except BaseException as exc:  # noqa: BLE001 - delivered to the caller
-                self._collective_failed(job, exc)
+                self._job_failed(job, exc)
             else:
+                seq = job.call.seq
+                self._done_seq = seq
+                self._fps.pop(seq, None)
+                entry = job.entry
+                if entry is not None:
+                    entry.state, entry.ended = "done", time.monotonic()
                 if not job.future.done():
                     job.future.set_result(job.result)
 
     async def _run(self, job: _Job) -> None:
+        call = job.call
         if job.prepare is not None:
             job.prepare(job)
-            job.algorithm = self._selector.choose(job.call, self.topology, job.override)
+            job.algorithm = self._selector.choose(call, self.topology, job.override)
+            if self.size > 1:
+                self._register(call.seq, call.fingerprint)
+                if self._error is not None:  # its fingerprint differs from a peer's
+                    raise self._error
         assert job.algorithm is not None
-        call = job.call
         ufunc = ufunc_for(call.redop, call.dtype) if call.redop is not None else None
         loop = asyncio.get_running_loop()
-        self._running, self._started = job, loop.time()
-        if self._watchdog is None:
-            self._watchdog = loop.call_later(self._exec_timeout, self._check_timeout)
+        now = loop.time()
+        self._running, self._started, self._started_seq = job, now, call.seq
+        entry = job.entry
+        if entry is not None:
+            entry.state, entry.started, entry.algorithm = "running", time.monotonic(), job.algorithm.name
+        if self._watchdog is None or job.timeout is not None:
+            self._arm(job, now)
         try:
             await self._executor.run(call, job.algorithm, job.src, job.dst, ufunc)
         finally:
@@ -268,51 +355,427 @@ class Comm(BlockedCollectives, ObjectCollectives, PointToPoint):
         if job.finish is not None:
             job.finish()
 
-    def _collective_failed(self, job: _Job, exc: BaseException) -> None:
+    def _job_failed(self, job: _Job, exc: BaseException) -> None:
         """A usage error found before anything was sent leaves the communicator usable; any
-        other failure leaves peers mid-protocol, so the communicator fails and they are told."""
-        if not isinstance(exc, UsageError) and self._error is None:
-            self._fail(exc, tell_peers=f"{job.call.op} #{job.call.seq} failed on rank {self.rank}: {exc}")
+        other failure leaves peers mid-protocol, so the communicator fails and they are told.
+        While a diagnosis runs (mismatch, timeout) the job waits for its verdict."""
+        self._fps.pop(job.call.seq, None)
+        if self._final is None and self._error is not None and not isinstance(exc, UsageError):
+            self._held.append(job)
+            return
+        if self._final is not None and exc is not self._final and not isinstance(exc, UsageError):
+            exc = self._final  # the communicator's failure is what ended this job
+        if not isinstance(exc, UsageError) and self._final is None:
+            call = job.call
+            self._fail(exc, tell=("failure", f"{call.op} #{call.seq} failed on rank {self.rank}: {exc}"))
+        if job.entry is not None and job.entry.state != "failed":
+            self._mark(job.entry, exc)
         if not job.future.done():
             job.future.set_exception(exc)
 
+    # -- mismatch detection -----------------------------------------------------------------
+    def _on_fingerprint(self, peer: int, seq: int, fp: int) -> None:
+        """Every signal a peer posts: is its call ``seq`` ours? (the hot path: one dict lookup)"""
+        if self._fps.get(seq) != fp:
+            try:
+                self._fingerprint_differs(peer, seq, fp)
+            except Exception:  # noqa: BLE001 - never break the transport's reader
+                pass
+
+    def _fingerprint_differs(self, peer: int, seq: int, fp: int) -> None:
+        mine = self._fps.get(seq)
+        if mine is None and seq < self._seq:  # finished here (or failed): the flight record knows it
+            entry = self._flight.find(seq)
+            if entry is None or not entry.call._fp:
+                return  # too old to check, or never prepared
+            mine = entry.call._fp
+            if mine == fp:
+                return
+        elif not mine:  # not issued here yet, or its counts are not known yet: check it then
+            if sum(len(v) for v in self._early.values()) < MAX_EARLY:
+                self._early.setdefault(seq, []).append((peer, fp))
+            return
+        self._mismatch(peer, seq, fp)
+
+    def _register(self, seq: int, fp: int) -> None:
+        """This rank's call ``seq`` has fingerprint ``fp``: check what peers sent for it already."""
+        self._fps[seq] = fp
+        if self._early:
+            for peer, theirs in self._early.pop(seq, ()):
+                if theirs != fp:
+                    self._mismatch(peer, seq, theirs)
+                    return
+
+    def _call_for(self, seq: int) -> Call | None:
+        entry = self._flight.find(seq)
+        if entry is not None:
+            return entry.call
+        for job in (self._running, *self._held, *self._queue):
+            if job is not None and job.call.seq == seq:
+                return job.call
+        return None
+
+    def _mismatch(self, peer: int, seq: int, theirs: int) -> None:
+        if self._error is not None or self._closed:
+            return
+        call = self._call_for(seq)
+        mine = describe(call) if call is not None else "an unknown collective"
+        op = call.op if call is not None else "collective"
+        text = (f"{op} #{seq} mismatch: rank {self.rank} called {mine}, rank {peer} called a different "
+                f"collective (fingerprint {theirs:#010x})")
+        error = CollectiveMismatchError(text, seq=seq, ranks=tuple(sorted((self.rank, peer))))
+        self._freeze(error, self._diagnose_mismatch(peer, seq, theirs, call))
+
+    async def _diagnose_mismatch(self, peer: int, seq: int, theirs: int,
+                                 call: Call | None) -> tuple[BaseException, tuple[str, str]]:
+        reply = await self._ask(peer, {"t": "desc?", "seq": seq})
+        mine = describe(call) if call is not None else "an unknown collective"
+        my_op = call.op if call is not None else None
+        if reply is not None and reply.get("desc"):
+            other, other_op = str(reply["desc"]), reply.get("op")
+        else:
+            other, other_op = (f"a different collective (fingerprint {theirs:#010x}; it did not describe it "
+                               f"within {REPLY_WAIT:g} s)"), None
+        sides = sorted([(self.rank, mine), (peer, other)])
+        name = my_op if my_op is not None and other_op == my_op else "collective"
+        text = f"{name} #{seq} mismatch: " + ", ".join(f"rank {r} called {d}" for r, d in sides)
+        if other == mine:
+            text += f" (fingerprints {call._fp if call else 0:#010x} and {theirs:#010x} differ)"
+        suffix, path = self._record(text)
+        error = CollectiveMismatchError(text + suffix, seq=seq, ranks=tuple(r for r, _ in sides))
+        error.flight_record = path
+        return error, ("mismatch", text)
+
+    # -- timeouts ---------------------------------------------------------------------------
+    def _arm(self, job: _Job, now: float) -> None:
+        """(Re)start the watchdog for ``job``, which starts now."""
+        limit = job.timeout if job.timeout is not None else self._exec_timeout
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+        assert self._loop is not None
+        self._watchdog = self._loop.call_at(now + min(PROBE_AFTER, limit / 2), self._check_timeout)
+
     def _check_timeout(self) -> None:
-        """The watchdog: one timer per communicator, not one per collective."""
+        """The watchdog: one timer per communicator, not one per collective. A collective that
+        runs long announces its fingerprint to the peers once; one past its limit times out."""
         self._watchdog = None
         job = self._running
-        if job is None or self._error is not None:
+        if job is None or self._error is not None or self._loop is None:
             return
-        loop = asyncio.get_running_loop()
-        left = self._started + self._exec_timeout - loop.time()
-        if left > 0:
-            self._watchdog = loop.call_later(left, self._check_timeout)
+        now = self._loop.time()
+        limit = job.timeout if job.timeout is not None else self._exec_timeout
+        elapsed = now - self._started
+        if elapsed >= limit:
+            self._timed_out(job, limit)
             return
-        call = job.call
-        message = (f"{call.op} #{call.seq} on rank {self.rank} did not complete within "
-                   f"{self._exec_timeout:g} s (AHCOMM_EXEC_TIMEOUT); the communicator is now unusable")
-        self._fail(CollectiveTimeout(message), tell_peers=message)
+        probe = min(PROBE_AFTER, limit / 2)
+        if not job.probed:
+            if elapsed < probe:
+                self._watchdog = self._loop.call_at(self._started + probe, self._check_timeout)
+                return
+            job.probed = True
+            self._announce(job)
+        self._watchdog = self._loop.call_at(self._started + limit, self._check_timeout)
 
+    def _announce(self, job: _Job) -> None:
+        """Send the running call's fingerprint to every peer (which checks it as if a signal carried it)."""
+        if self.size > 1 and job.call._fp:
+            payload = _pack({"t": "fp", "seq": job.call.seq, "fp": job.call._fp})
+            for peer in self._executor.links:
+                self._executor.send_control(peer, payload)
+
+    def _timed_out(self, job: _Job, limit: float) -> None:
+        call = job.call
+        source = f"timeout={limit:g}" if job.timeout is not None else "AHCOMM_EXEC_TIMEOUT"
+        head = f"{call.op} #{call.seq} on rank {self.rank} did not complete within {limit:g} s ({source})"
+        self._freeze(CollectiveTimeout(head, op=call.op, seq=call.seq), self._diagnose_timeout(job, head))
+
+    async def _diagnose_timeout(self, job: _Job, head: str) -> tuple[BaseException, tuple[str, str]]:
+        """Ask every peer where it stands; name the ranks that had not reached the call."""
+        seq = job.call.seq
+        replies = await self._ask_all({"t": "st?"})
+        missing: list[int] = []
+        notes: list[str] = []
+        algorithms: dict[str, list[int]] = {}
+        if job.algorithm is not None:
+            algorithms[job.algorithm.name] = [self.rank]
+        for peer in sorted(replies):
+            st = replies[peer]
+            if st is None:
+                missing.append(peer)
+                notes.append(f"rank {peer} did not answer within {REPLY_WAIT:g} s")
+                continue
+            nxt, running, done = int(st.get("next", 0)), int(st.get("running", -1)), int(st.get("done", -1))
+            if int(st.get("started", -1)) >= seq or done >= seq:  # it reached the call (it may have failed since)
+                if running == seq and st.get("algorithm"):
+                    algorithms.setdefault(str(st["algorithm"]), []).append(peer)
+                continue
+            missing.append(peer)
+            completed = f"last completed: #{done}" if done >= 0 else "none completed"
+            failed = f"; its communicator failed: {st['failed']}" if st.get("failed") else ""
+            if nxt <= seq:
+                last = f"its last call: #{nxt - 1} {st.get('last_op')}" if nxt > 0 else "no collective called yet"
+                notes.append(f"rank {peer} has not called it yet ({last}, {completed}){failed}")
+            elif running >= 0:
+                notes.append(f"rank {peer} is still in {st.get('running_op')} #{running}{failed}")
+            else:
+                notes.append(f"rank {peer} has it queued ({completed}){failed}")
+        if missing:
+            who = ", ".join(str(p) for p in missing)
+            diag = f"rank{'s' if len(missing) > 1 else ''} {who} had not arrived: {'; '.join(notes)}"
+        else:
+            diag = "every rank had arrived, so the collective itself is stuck"
+            if len(algorithms) > 1:
+                diag += " (the ranks run different algorithms: " + ", ".join(
+                    f"{name} on rank{'s' if len(r) > 1 else ''} {', '.join(map(str, r))}"
+                    for name, r in algorithms.items()) + ")"
+        text = f"{head}: {diag}; the communicator is now unusable"
+        suffix, path = self._record(text)
+        error = CollectiveTimeout(text + suffix, op=job.call.op, seq=seq, missing=tuple(missing))
+        error.flight_record = path
+        return error, ("timeout", text)
+
+    # -- control messages -------------------------------------------------------------------
+    def _on_control(self, peer: int, payload: bytes) -> None:
+        if self._closed or not payload.startswith(_CONTROL):
+            return
+        try:
+            msg = msgpack.unpackb(payload[len(_CONTROL):], raw=False)
+            if not isinstance(msg, dict):
+                return
+            kind = msg.get("t")
+            if kind == "fp":
+                self._on_fingerprint(peer, int(msg["seq"]), int(msg["fp"]))
+            elif kind == "re":
+                fut = self._requests.pop(int(msg.get("id", 0)), None)
+                if fut is not None and not fut.done():
+                    fut.set_result(msg)
+            elif kind == "desc?":
+                call = self._call_for(int(msg["seq"]))
+                desc = {"op": call.op, "desc": describe(call)} if call is not None else {"desc": None}
+                self._reply(peer, msg, desc)
+            elif kind == "st?":
+                self._reply(peer, msg, self._status())
+            elif kind == "fail":
+                self._told(peer, msg)
+        except Exception:  # noqa: BLE001 - a malformed message must not break the transport's reader
+            pass
+
+    def _reply(self, peer: int, request: dict[str, Any], answer: dict[str, Any]) -> None:
+        self._executor.send_control(peer, _pack({"t": "re", "id": request.get("id", 0), **answer}))
+
+    def _status(self) -> dict[str, Any]:
+        job = self._running
+        last = self._call_for(self._seq - 1) if self._seq else None
+        return {
+            "next": self._seq, "running": job.call.seq if job is not None else -1,
+            "running_op": job.call.op if job is not None else None,
+            "algorithm": job.algorithm.name if job is not None and job.algorithm is not None else None,
+            "started": self._started_seq, "done": self._done_seq, "queued": len(self._queue), "last_op": last.op if last is not None else None,
+            "failed": str(self._error) if self._error is not None else None,
+        }
+
+    async def _ask(self, peer: int, msg: dict[str, Any]) -> dict[str, Any] | None:
+        """Send a request to ``peer``; its reply (None if none came within REPLY_WAIT)."""
+        return (await self._ask_all(msg, [peer])).get(peer)
+
+    async def _ask_all(self, msg: dict[str, Any], peers: list[int] | None = None) -> dict[int, dict[str, Any] | None]:
+        """Send ``msg`` to every peer (or ``peers``); their replies within REPLY_WAIT (None: no reply)."""
+        loop = asyncio.get_running_loop()
+        waiting: dict[int, asyncio.Future[dict[str, Any]]] = {}
+        ids = []
+        for peer in (peers if peers is not None else list(self._executor.links)):
+            rid = next(self._request_ids)
+            fut: asyncio.Future[dict[str, Any]] = loop.create_future()
+            self._requests[rid] = fut
+            ids.append(rid)
+            if self._executor.send_control(peer, _pack({**msg, "id": rid})):
+                waiting[peer] = fut
+        try:
+            if waiting:
+                await asyncio.wait(list(waiting.values()), timeout=REPLY_WAIT)
+        finally:
+            for rid in ids:
+                self._requests.pop(rid, None)
+        out: dict[int, dict[str, Any] | None] = {p: None for p in (peers if peers is not None else self._executor.links)}
+        for peer, fut in waiting.items():
+            if fut.done() and not fut.cancelled():
+                out[peer] = fut.result()
+            else:
+                fut.cancel()
+        return out
+
+    # -- failures ---------------------------------------------------------------------------
+    def _freeze(self, error: BaseException,
+                diagnosis: "Coroutine[Any, Any, tuple[BaseException, tuple[str, str]]]") -> None:
+        """Stop at once (nothing more runs, no result is delivered) and diagnose; the verdict
+        fails every pending call and is sent to the peers."""
+        if self._error is not None:
+            diagnosis.close()
+            return
+        self._error = error
+        self._executor.abort(error)
+        assert self._loop is not None
+        self._diagnosis = self._loop.create_task(self._settle(error, diagnosis), name=f"ahcomm-diagnosis-{self.rank}")
+
+    async def _settle(self, error: BaseException,
+                      diagnosis: "Coroutine[Any, Any, tuple[BaseException, tuple[str, str]]]") -> None:
+        try:
+            final, tell = await diagnosis
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # noqa: BLE001 - the diagnosis is best effort; the first error stands
+            final, tell = error, (type(error).__name__, str(error))
+        if self._final is None:
+            self._fail(final, tell=tell, record=False)
+
+    def _record(self, reason: str) -> tuple[str, str | None]:
+        """Mark what is pending as failed and write the flight record: (" (flight record: PATH)", PATH)."""
+        job = self._running
+        for j in (job, *self._held, *self._queue):
+            if j is not None and j.entry is not None and j.entry.state in ("queued", "running"):
+                j.entry.state, j.entry.error, j.entry.ended = "failed", reason[:300], time.monotonic()
+        state = {"next_seq": self._seq, "last_completed": self._done_seq,
+                 "running": job.call.seq if job is not None else None, "queued": len(self._queue)}
+        path = self._flight.dump(reason, state)
+        return (f" (flight record: {path})" if path else "", path)
+
+    @staticmethod
+    def _mark(entry: Entry, exc: BaseException) -> None:
+        entry.state, entry.error = "failed", f"{type(exc).__name__}: {exc}"[:300]
+        entry.ended = entry.ended or time.monotonic()
+
+    def _fail(self, error: BaseException, *, tell: tuple[str, str] | None = None, record: bool = True,
+              extra: dict[str, Any] | None = None) -> None:
+        """The communicator fails for good with ``error``: every pending call gets it, the peers
+        are told (``tell`` = (kind, message)), and the flight record is written."""
+        if self._final is not None:
+            return
+        self._final = self._error = error
+        task = self._diagnosis
+        if task is not None and not task.done() and task is not asyncio.current_task():
+            task.cancel()
+        self._executor.abort(error)
+        if record:
+            _, path = self._record(f"{type(error).__name__}: {error}")
+            if path is not None:
+                try:
+                    if isinstance(error, AhcommError):
+                        error.flight_record = path
+                    error.add_note(f"flight record: {path}")
+                except Exception:  # noqa: BLE001 - an exception type that takes no notes
+                    pass
+        if tell is not None:
+            kind, text = tell
+            facts = {key: getattr(error, key) for key in ("op", "seq") if getattr(error, key, None) is not None}
+            if getattr(error, "missing", None):
+                facts["missing"] = list(getattr(error, "missing"))
+            payload = _pack({"t": "fail", "kind": kind, "msg": text[:16000], **facts, **(extra or {})})
+            for peer in self._executor.links:
+                self._executor.send_control(peer, payload)
+            self._executor.tell_peers(text)
+        pending = [*self._held, *self._queue]
+        self._held.clear()
+        self._queue.clear()
+        for job in pending:
+            if job.entry is not None and job.entry.state != "failed":
+                self._mark(job.entry, error)
+            if not job.future.done():
+                job.future.set_exception(error)
+
+    def _told(self, peer: int, msg: dict[str, Any]) -> None:
+        """A peer failed and says why: fail here with the same kind of error."""
+        if self._final is not None:
+            return
+        kind, text = str(msg.get("kind", "")), str(msg.get("msg", ""))
+        error: AhcommError
+        if kind == "mismatch":
+            suffix, path = self._record(text)
+            error = CollectiveMismatchError(f"{text} (found by rank {peer}){suffix}", seq=msg.get("seq"))
+        elif kind == "timeout":
+            message = f"rank {peer} aborted its communicator: {text}"
+            suffix, path = self._record(message)
+            error = CollectiveTimeout(message + suffix, op=msg.get("op"), seq=msg.get("seq"),
+                                      missing=tuple(msg.get("missing") or ()))
+        elif kind == "lost":
+            lost = int(msg.get("lost", peer))
+            message = (f"rank {lost} was lost ({text}; found by rank {peer}); rank {self.rank} can no longer "
+                       f"run collectives on it")
+            suffix, path = self._record(message)
+            error = PeerFailure(message + suffix, rank=lost)
+        elif kind == "abort":  # the peer's own abort(): as an abort message would say
+            self._peer_aborted(peer, text)
+            return
+        else:
+            message = f"rank {peer} aborted its communicator ({text}); rank {self.rank} can no longer run collectives on it"
+            suffix, path = self._record(message)
+            error = PeerFailure(message + suffix, rank=peer)
+        error.flight_record = path
+        self._fail(error, record=False)
+
+    def _peer_aborted(self, peer: int, reason: str) -> None:
+        if self._final is None:
+            message = f"rank {peer} aborted its communicator ({reason}); rank {self.rank} can no longer run collectives on it"
+            suffix, path = self._record(message)
+            error = PeerFailure(message + suffix, rank=peer)
+            error.flight_record = path
+            self._fail(error, record=False)
+
+    def _during(self) -> str:
+        job = self._running
+        if job is not None:
+            return f"during {job.call.op} #{job.call.seq}"
+        pending = self._held[0] if self._held else self._queue[0] if self._queue else None
+        if pending is not None:
+            return f"with {pending.call.op} #{pending.call.seq} pending"
+        return f"while idle (last collective: #{self._done_seq})"
+
+    def _on_lost(self, peer: int, reason: str) -> None:
+        """The transport says ``peer`` is gone (socket closed, heartbeats stopped)."""
+        if threading.get_ident() != self._thread and self._loop is not None:
+            self._loop.call_soon_threadsafe(self._on_lost, peer, reason)
+            return
+        if self._final is not None or self._closed:
+            return
+        message = f"rank {peer} was lost ({reason}) {self._during()}; rank {self.rank} can no longer run collectives on it"
+        if self._closing:  # after close()'s barrier peers go away: end quietly
+            self._fail(PeerFailure(message, rank=peer), record=False)
+            return
+        suffix, path = self._record(message)
+        error = PeerFailure(message + suffix, rank=peer)
+        error.flight_record = path
+        self._fail(error, record=False, tell=("lost", f"{reason}, {self._during()} on rank {self.rank}"),
+                   extra={"lost": peer})
+
+    # -- diagnosis --------------------------------------------------------------------------
+    def status_line(self) -> str:
+        """One line: what this rank is doing (printed on SIGUSR1)."""
+        head = f"ahcomm rank {self.rank}/{self.size}"
+        job = self._running
+        if job is not None:
+            now = self._loop.time() if self._loop is not None else self._started
+            algo = f" [{job.algorithm.name}]" if job.algorithm is not None else ""
+            doing = f"running {job.call.op} #{job.call.seq} {describe(job.call)}{algo} for {now - self._started:.1f} s"
+        else:
+            doing = "idle"
+        last = self._call_for(self._done_seq) if self._done_seq >= 0 else None
+        done = f"last completed #{self._done_seq} ({last.op})" if last is not None else \
+            f"last completed #{self._done_seq}"
+        state = "closed" if self._closed else f"failed: {self._error}" if self._error is not None else "ok"
+        return f"{head}: {doing}; {done}; {len(self._queue)} queued; next seq #{self._seq}; {state}"
+
+    def flight_record(self) -> list[dict[str, Any]]:
+        """This rank's last collectives (op, seq, dtype, count, algorithm, state, timestamps)."""
+        wall = time.time() - time.monotonic()
+        return [e.as_dict(wall) for e in self._flight.entries()]
+
+    # -- links ------------------------------------------------------------------------------
     def _p2p_links(self) -> dict[int, Link]:
         return self._executor.links
 
     def _set_topology(self, topo: Topology) -> None:
         self.topology = topo
         self._executor.set_topology(topo)
-
-    def _fail(self, error: BaseException, tell_peers: str | None = None) -> None:
-        self._error = error
-        self._executor.abort(error)
-        if tell_peers is not None:
-            self._executor.tell_peers(tell_peers)
-        while self._queue:
-            job = self._queue.popleft()
-            if not job.future.done():
-                job.future.set_exception(error)
-
-    def _peer_aborted(self, peer: int, reason: str) -> None:
-        if self._error is None:
-            self._fail(PeerFailure(f"rank {peer} aborted its communicator ({reason}); "
-                                   f"rank {self.rank} can no longer run collectives on it", rank=peer))
 
     def explain(self, op: str, count: int, dtype: Any = np.float32, *,
                 root: int = 0) -> tuple[str, dict[str, float | None]]:
@@ -331,8 +794,9 @@ class Comm(BlockedCollectives, ObjectCollectives, PointToPoint):
 
     def abort(self, reason: str = "aborted") -> None:
         """Fail every pending and later collective here at once, and tell every peer."""
-        if self._error is None:
-            self._fail(CommClosedError(f"communicator (rank {self.rank}) {reason}"), tell_peers=reason)
+        if self._final is None:
+            self._fail(CommClosedError(f"communicator (rank {self.rank}) {reason}"), tell=("abort", reason),
+                       record=False)
 
     async def close(self) -> None:
         """Finish pending collectives, meet the other ranks, and release every resource."""
@@ -345,6 +809,14 @@ class Comm(BlockedCollectives, ObjectCollectives, PointToPoint):
                 await asyncio.gather(*(j.future for j in list(self._queue)), return_exceptions=True)
         except Exception:  # noqa: BLE001 - closing regardless
             pass
+        self._closing = True
+        if self._diagnosis is not None and not self._diagnosis.done():
+            try:  # a verdict is on its way (bounded by REPLY_WAIT): let the pending calls have it
+                await asyncio.wait_for(asyncio.shield(self._diagnosis), REPLY_WAIT * 3)
+            except BaseException:  # noqa: BLE001
+                pass
+        if self._final is None and self._error is not None:
+            self._fail(self._error, record=False)
         self._closed = True
         while self._queue:  # anything still queued will never run now
             job = self._queue.popleft()
@@ -354,12 +826,20 @@ class Comm(BlockedCollectives, ObjectCollectives, PointToPoint):
         if self._watchdog is not None:
             self._watchdog.cancel()
             self._watchdog = None
-        if self._worker is not None:
-            self._worker.cancel()
-            try:
-                await self._worker
-            except BaseException:  # noqa: BLE001
-                pass
+        for task in (self._worker, self._diagnosis):
+            if task is not None and not task.done():
+                task.cancel()
+                try:
+                    await task
+                except BaseException:  # noqa: BLE001
+                    pass
+        for fut in self._requests.values():
+            fut.cancel()
+        self._requests.clear()
+        self._early.clear()
+        self._fps.clear()
+        if self._loop is not None:
+            _flight.unwatch(self, self._loop)
         await self._executor.close()
         if self._on_close is not None:
             await self._on_close()

@@ -2,9 +2,17 @@
 
 from __future__ import annotations
 
+import math
+import numbers
+from typing import Any
+
 
 class AhcommError(Exception):
     """Root of every exception ahcomm raises."""
+
+    #: where this rank's flight record (its last collectives, as JSON) was written when the
+    #: communicator failed; None when it was not written (see ``AHCOMM_FLIGHT_DIR``)
+    flight_record: str | None = None
 
 
 # --- the caller did something wrong: raised before anything is sent -------------------------
@@ -30,6 +38,15 @@ class ConfigError(UsageError):
     """An environment variable or init() argument is malformed or missing."""
 
 
+def check_timeout(timeout: Any, what: str) -> float | None:
+    """A call's ``timeout=``: None, or a positive number of seconds (else InvalidArgument)."""
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) or math.isnan(timeout) or timeout <= 0:
+        raise InvalidArgument(f"{what}: timeout must be a positive number of seconds (or None), got {timeout!r}")
+    return float(timeout)
+
+
 # --- the job went wrong: peers, links, time ---------------------------------------------------
 
 
@@ -46,7 +63,18 @@ class TransportError(CommunicationError):
 
 
 class CollectiveTimeout(CommunicationError, TimeoutError):
-    """A collective did not complete in time."""
+    """A collective did not complete in time.
+
+    ``op`` and ``seq`` name it; ``missing`` lists the ranks that had not reached it (had not
+    called it yet, were still in an earlier collective, or did not answer the query).
+    """
+
+    def __init__(self, message: str = "", *, op: str | None = None, seq: int | None = None,
+                 missing: tuple[int, ...] = ()) -> None:
+        super().__init__(message)
+        self.op = op
+        self.seq = seq
+        self.missing = missing
 
 
 class PeerFailure(CommunicationError):
@@ -58,4 +86,11 @@ class PeerFailure(CommunicationError):
 
 
 class CollectiveMismatchError(CommunicationError):
-    """Ranks issued different collectives at the same sequence number."""
+    """Ranks issued different collectives at the same sequence number (or a point-to-point
+    message was not what ``recv`` expected). ``seq`` is the collective's sequence number and
+    ``ranks`` the two ranks found to differ, where known."""
+
+    def __init__(self, message: str = "", *, seq: int | None = None, ranks: tuple[int, ...] = ()) -> None:
+        super().__init__(message)
+        self.seq = seq
+        self.ranks = ranks

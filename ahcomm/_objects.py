@@ -51,20 +51,21 @@ class ObjectCollectives:
         def _submit(self, call: Call, src: np.ndarray, dst: np.ndarray, result: Any,
                     finish: Callable[[], None] | None, algorithm: str | None, *,
                     prepare: Callable[[_Job], None] | None = None,
-                    later: bool = False) -> asyncio.Future[Any]: ...
-        def broadcast(self, x: Any, root: int = 0, *, out: np.ndarray | None = None,
-                      algorithm: str | None = None) -> asyncio.Future[np.ndarray]: ...
+                    later: bool = False, timeout: float | None = None) -> asyncio.Future[Any]: ...
+        def broadcast(self, x: Any, root: int = 0, *, out: np.ndarray | None = None, algorithm: str | None = None,
+                      timeout: float | None = None) -> asyncio.Future[np.ndarray]: ...
         def all_gather_v(self, x: Any, *, counts: Any = None, out: np.ndarray | None = None,
-                         algorithm: str | None = None) -> asyncio.Future[Gathered]: ...
+                         algorithm: str | None = None, timeout: float | None = None) -> asyncio.Future[Gathered]: ...
         def gather_v(self, x: Any, root: int = 0, *, counts: Any = None, out: np.ndarray | None = None,
-                     algorithm: str | None = None) -> asyncio.Future[Gathered | None]: ...
+                     algorithm: str | None = None,
+                     timeout: float | None = None) -> asyncio.Future[Gathered | None]: ...
 
-    def broadcast_object(self, obj: Any = None, root: int = 0) -> "asyncio.Future[Any]":
+    def broadcast_object(self, obj: Any = None, root: int = 0, *, timeout: float | None = None) -> "asyncio.Future[Any]":
         """The root's ``obj`` on every rank (other ranks' ``obj`` is ignored)."""
         self._check_open()
         self._check_root(root, "broadcast_object")
         payload = _encode(obj, "broadcast_object") if self.rank == root else np.empty(0, _BYTES)
-        length = self.broadcast(np.array([payload.size], np.int64), root)
+        length = self.broadcast(np.array([payload.size], np.int64), root, timeout=timeout)
         call = Call(op="broadcast", seq=self._seq, dtype=_BYTES, count=0, root=int(root))
 
         def prepare(job: _Job) -> None:
@@ -73,19 +74,20 @@ class ObjectCollectives:
             job.src = job.dst = job.result = payload if self.rank == root else np.empty(count, _BYTES)
 
         empty = np.empty(0, _BYTES)
-        done = self._submit(call, empty, empty, None, None, None, prepare=prepare, later=True)
+        done = self._submit(call, empty, empty, None, None, None, prepare=prepare, later=True, timeout=timeout)
         return asyncio.ensure_future(self._decoded(done))
 
-    def all_gather_object(self, obj: Any) -> "asyncio.Future[list[Any]]":
+    def all_gather_object(self, obj: Any, *, timeout: float | None = None) -> "asyncio.Future[list[Any]]":
         """Every rank's ``obj``, in rank order, on every rank."""
         self._check_open()
-        done = self.all_gather_v(_encode(obj, "all_gather_object"))
+        done = self.all_gather_v(_encode(obj, "all_gather_object"), timeout=timeout)
         return asyncio.ensure_future(self._decoded_list(done))
 
-    def gather_object(self, obj: Any, root: int = 0) -> "asyncio.Future[list[Any] | None]":
+    def gather_object(self, obj: Any, root: int = 0, *,
+                      timeout: float | None = None) -> "asyncio.Future[list[Any] | None]":
         """Every rank's ``obj``, in rank order, at ``root`` (None elsewhere)."""
         self._check_open()
-        done = self.gather_v(_encode(obj, "gather_object"), root)
+        done = self.gather_v(_encode(obj, "gather_object"), root, timeout=timeout)
         return asyncio.ensure_future(self._decoded_list(done))
 
     @staticmethod

@@ -20,7 +20,7 @@ import msgpack
 import numpy as np
 
 from ._dtypes import SUPPORTED_DTYPES
-from ._errors import CollectiveMismatchError, CollectiveTimeout, InvalidArgument
+from ._errors import CollectiveMismatchError, CollectiveTimeout, InvalidArgument, check_timeout
 
 if TYPE_CHECKING:
     from .transports.base import Link
@@ -56,31 +56,34 @@ class PointToPoint:
         self._sent_count: defaultdict[tuple[int, int], int] = defaultdict(int)  # (peer, tag) -> messages sent
         self._recv_count: defaultdict[tuple[int, int], int] = defaultdict(int)
 
-    def send(self, x: Any, dst: int, *, tag: int = 0) -> "asyncio.Future[None]":
+    def send(self, x: Any, dst: int, *, tag: int = 0, timeout: float | None = None) -> "asyncio.Future[None]":
         """Send ``x`` to rank ``dst``; done when ``dst`` holds the bytes (x may then be reused)."""
         arr, _ = self._input(x, "send")
+        timeout = check_timeout(timeout, "send")
         link = self._peer_link(dst, "send", tag)
         data = np.ascontiguousarray(arr)
         meta = msgpack.packb([data.dtype.name, list(data.shape)])
         key = (tag, self._sent_count[(dst, tag)])
-        self._sent_count[(dst, tag)] += 1
         pending = link.send_message(key, meta, data.reshape(-1))
+        self._sent_count[(dst, tag)] += 1  # only once the message is accepted: a refused one takes no number
         future: asyncio.Future[None]
         if pending is None:
             future = asyncio.get_running_loop().create_future()
             future.set_result(None)
         else:
-            future = asyncio.ensure_future(self._bounded(pending, f"send to rank {dst} (tag {tag}, #{key[1]})"))
+            future = asyncio.ensure_future(self._bounded(pending, f"send to rank {dst} (tag {tag}, #{key[1]})",
+                                                         timeout))
         return future
 
     def recv(self, src: int, *, out: np.ndarray | None = None, shape: Sequence[int] | None = None,
-             dtype: Any = None, tag: int = 0) -> "asyncio.Future[np.ndarray]":
+             dtype: Any = None, tag: int = 0, timeout: float | None = None) -> "asyncio.Future[np.ndarray]":
         """Receive the next message from ``src`` with ``tag``.
 
         Into ``out``, or a new array of ``shape``/``dtype`` (checked against what was
         sent), or - given neither - of the sender's shape and dtype.
         """
         self._check_open()
+        timeout = check_timeout(timeout, "recv")
         if out is not None:
             if not isinstance(out, np.ndarray):
                 raise InvalidArgument(f"recv: out must be a numpy array, got {type(out).__name__}")
@@ -92,18 +95,19 @@ class PointToPoint:
         key = (tag, self._recv_count[(src, tag)])
         self._recv_count[(src, tag)] += 1
         what = f"recv from rank {src} (tag {tag}, #{key[1]})"
-        return asyncio.ensure_future(self._receive(link, key, what, out, shape, want_dtype))
+        return asyncio.ensure_future(self._receive(link, key, what, out, shape, want_dtype, timeout))
 
-    def batch_send_recv(self, ops: Sequence[P2POp]) -> "asyncio.Future[list[np.ndarray | None]]":
+    def batch_send_recv(self, ops: Sequence[P2POp], *,
+                        timeout: float | None = None) -> "asyncio.Future[list[np.ndarray | None]]":
         """Run sends and receives together (no order among them can deadlock); results in op order
         (the received array for a recv, None for a send)."""
         futures: list[asyncio.Future[Any]] = []
         for op in ops:
             if op.kind == "send":
-                futures.append(self.send(op.array, op.peer, tag=op.tag))
+                futures.append(self.send(op.array, op.peer, tag=op.tag, timeout=timeout))
             elif op.kind == "recv":
                 out = op.array if isinstance(op.array, np.ndarray) else None
-                futures.append(self.recv(op.peer, out=out, tag=op.tag))
+                futures.append(self.recv(op.peer, out=out, tag=op.tag, timeout=timeout))
             else:
                 raise InvalidArgument(f"batch_send_recv: op kind must be 'send' or 'recv', got {op.kind!r}")
         return asyncio.ensure_future(self._gather_all(futures))
@@ -123,17 +127,20 @@ class PointToPoint:
             raise InvalidArgument(f"{what}: tag must be an integer in 0..{MAX_TAG}, got {tag!r}")
         return self._p2p_links()[int(peer)]
 
-    async def _bounded(self, pending: "asyncio.Future[Any] | Any", what: str) -> Any:
+    async def _bounded(self, pending: "asyncio.Future[Any] | Any", what: str, timeout: float | None = None) -> Any:
+        limit = self._exec_timeout if timeout is None else timeout
         try:
-            async with asyncio.timeout(self._exec_timeout):
+            async with asyncio.timeout(limit):
                 return await pending
         except TimeoutError:
+            source = "AHCOMM_EXEC_TIMEOUT" if timeout is None else f"timeout={timeout:g}"
             raise CollectiveTimeout(f"{what} on rank {self.rank} did not complete within "
-                                    f"{self._exec_timeout:g} s (AHCOMM_EXEC_TIMEOUT)") from None
+                                    f"{limit:g} s ({source})") from None
 
     async def _receive(self, link: "Link", key: tuple[int, int], what: str, out: np.ndarray | None,
-                       shape: Sequence[int] | None, dtype: np.dtype | None) -> np.ndarray:
-        meta, payload = await self._bounded(link.message(key), what)
+                       shape: Sequence[int] | None, dtype: np.dtype | None,
+                       timeout: float | None = None) -> np.ndarray:
+        meta, payload = await self._bounded(link.message(key), what, timeout)
         try:
             dtype_name, sent_shape = msgpack.unpackb(meta)
             sent_dtype = _DTYPES[dtype_name]

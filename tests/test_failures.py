@@ -88,3 +88,54 @@ def test_asyncio_run_returns_with_a_collective_in_flight() -> None:
               "print('returned')\n")
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0 and "returned" in proc.stdout, proc.stderr
+
+
+async def test_close_while_a_mismatch_is_being_diagnosed_delivers_the_verdict(monkeypatch: pytest.MonkeyPatch,
+                                                                             tmp_path: object) -> None:
+    """The peer never describes its call: the diagnosis waits REPLY_WAIT; close() meanwhile
+    neither hangs nor leaves the pending call without its error."""
+    from ahcomm import _comm
+
+    monkeypatch.setattr(_comm, "REPLY_WAIT", 0.3)
+    monkeypatch.setenv("AHCOMM_FLIGHT_DIR", str(tmp_path))
+    comms = await ahcomm.init_inprocess(2, buffsize=1 << 20)
+    for link in comms[1]._executor.links.values():
+        link.on_fingerprint = None
+        link.on_control = lambda peer, payload: None  # deaf and mute
+    mine = comms[0].all_reduce(np.ones(8, np.float32))
+    comms[1].all_reduce(np.ones(4, np.float32))
+    await asyncio.sleep(0.05)
+    assert comms[0]._error is not None and comms[0]._final is None  # diagnosing
+    t0 = time.perf_counter()
+    await asyncio.wait_for(comms[0].close(), 5)
+    assert time.perf_counter() - t0 < 2
+    with pytest.raises(ahcomm.CollectiveMismatchError, match="#0 mismatch: rank 0 called all_reduce.*"
+                                                              "did not describe it within 0.3 s"):
+        await mine
+    comms[1].abort("done")
+    await close_all(comms)
+
+
+async def test_abort_during_a_diagnosis_wins_and_garbage_control_messages_are_ignored(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: object) -> None:
+    from ahcomm import _comm
+
+    monkeypatch.setattr(_comm, "REPLY_WAIT", 5.0)
+    monkeypatch.setenv("AHCOMM_FLIGHT_DIR", str(tmp_path))
+    comms = await ahcomm.init_inprocess(2, buffsize=1 << 20)
+    for payload in (b"", b"AHc1", b"AHc1\xc1", b"AHc1" + b"\x92\x01\x02", b"other layer", b"AHc1\x81\xa1t\xa3st?",
+                    b"AHc1\x82\xa1t\xa2fp\xa3seq\xa1x"):
+        comms[0]._executor.links[1].send_control(payload)  # arrives at rank 1
+    assert comms[1]._error is None
+    for link in comms[1]._executor.links.values():
+        link.on_fingerprint = None
+        link.on_control = lambda peer, payload: None
+    mine = comms[0].all_reduce(np.ones(8, np.float32))
+    comms[1].all_reduce(np.ones(4, np.float32))
+    await asyncio.sleep(0.05)
+    assert comms[0]._final is None and comms[0]._error is not None
+    comms[0].abort("operator stop")
+    with pytest.raises(ahcomm.CommClosedError, match=r"communicator \(rank 0\) operator stop"):
+        await asyncio.wait_for(mine, 1)
+    comms[1].abort("done")
+    await close_all(comms)

@@ -17,7 +17,7 @@ import numpy as np
 
 from .._buffers import CclBuffers
 from .._stream import Stream
-from ..transports.base import Link
+from ..transports.base import AbortHook, ControlHook, FingerprintHook, Link
 from .base import ALIGN, WHOLE, Algorithm, Call, Context, Resources, Topology
 
 RESOURCE_CACHE = 256  # entries of the per-communicator resources cache
@@ -188,6 +188,27 @@ class Executor:
         """Call ``handler(peer, reason)`` when a peer aborts."""
         for link in self.links.values():
             link.on_abort = handler
+
+    def set_hooks(self, *, on_abort: AbortHook, on_fingerprint: FingerprintHook, on_control: ControlHook,
+                  on_lost: AbortHook) -> None:
+        """The communicator's handlers on every link: a peer aborted, the fingerprint of a peer's
+        call (every delivered signal carries one), a control message, a peer lost."""
+        for link in self.links.values():
+            link.on_abort = on_abort
+            link.on_fingerprint = on_fingerprint
+            link.on_control = on_control
+            link.on_lost = on_lost
+
+    def send_control(self, peer: int, payload: bytes) -> bool:
+        """Send a small control message to ``peer`` (best effort: False if it could not be sent)."""
+        link = self.links.get(peer)
+        if link is None:
+            return False
+        try:
+            link.send_control(payload)
+        except Exception:  # noqa: BLE001 - a closed or broken link: the caller copes with no answer
+            return False
+        return True
 
     def tell_peers(self, reason: str) -> None:
         """Tell every peer that this rank aborted (best effort)."""
