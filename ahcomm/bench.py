@@ -3,7 +3,7 @@
     ahcomm-bench -n 4 all_reduce -b 8 -e 64M -f 4 -c 1
 
     ahcomm-bench -n 4 all_gather --algorithm all     (every algorithm, and the selector's pick)
-    ahcomm-bench calibrate                           (measure alpha/beta for the cost model)
+    ahcomm-bench calibrate                           (measure the cost model's numbers)
 
 Columns: size, count, type, redop, root, time (us), algbw, busbw (GB/s), #wrong. ``size``
 follows nccl-tests: the buffer for all_reduce/broadcast/reduce, the whole output of
@@ -22,9 +22,12 @@ import math
 import os
 import sys
 import time
-from typing import Any, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from .algorithms._cost import CostModel, LinkCost
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "gather", "scatter", "all_to_all")
 BLOCKED = ("all_gather", "reduce_scatter", "gather", "scatter", "all_to_all")  # size counts n blocks
@@ -251,52 +254,127 @@ async def run_rank(args: argparse.Namespace) -> list[dict[str, Any]]:
     return rows
 
 
-CALIBRATION_BLOCKS = (8, 4 << 10, 64 << 10, 512 << 10, 2 << 20, 8 << 20)  # bytes each rank sends its peer
+# What the calibration times on 2 ranks, per link kind: (algorithm, op, bytes per rank's block).
+# Only ops whose result depends on every rank (no progress message afterwards, as the executor
+# sends after a broadcast or an all_to_all), with different mixes of steps, notifies and bytes.
+CALIBRATION_CASES = (
+    ("ring", "all_reduce", 8), ("ring", "all_reduce", 64 << 10), ("ring", "all_gather", 8),
+    ("ring", "all_gather", 256 << 10), ("ring", "all_gather", 2 << 20), ("ring", "all_gather", 8 << 20),
+    ("rhd", "all_reduce", 8), ("mesh", "all_reduce", 8), ("mesh", "all_gather", 8),
+)
+CALIBRATION_REPEATS = 3  # each case is timed this often; the fastest median counts (noise only adds)
 
 
 async def calibrate_rank(out_path: str) -> None:
-    """In a 2-rank job: time one exchange step (pairwise all_to_all) per block size; rank 0
-    fits t = alpha + bytes * beta and writes {"alpha", "beta"} to ``out_path``."""
+    """In a 2-rank job: time each ``CALIBRATION_CASES`` entry this link kind can run (median per
+    op, the slower rank's, the fastest of ``CALIBRATION_REPEATS`` tries); rank 0 writes them
+    to ``out_path`` with its core count and whether single-copy reads work."""
     import ahcomm
 
     async with await ahcomm.init() as comm:
+        dtype = np.dtype(np.float32)
         points = []
-        for nbytes in CALIBRATION_BLOCKS:
-            case = Case(comm, "all_to_all", 2 * nbytes, np.dtype(np.uint8), "sum", 0, "pairwise", False)
-            _, us, _ = await measure(case, 3, 50, 0.5)
-            mean = await comm.all_reduce(np.array([us]), "max")
-            points.append((float(nbytes), float(mean[0]) * 1e-6))
+        for algorithm, op, nbytes in CALIBRATION_CASES:
+            if algorithm not in runnable(comm, op, dtype):
+                continue
+            total = nbytes * (comm.size if op in BLOCKED else 1)
+            case = Case(comm, op, total, dtype, "sum", 0, algorithm, False)
+            best = math.inf
+            for _ in range(CALIBRATION_REPEATS):
+                _, median_us, _ = await measure(case, 3, 30, 0.3)
+                slowest = await comm.all_reduce(np.array([median_us]), "max")
+                best = min(best, float(slowest[0]) * 1e-6)
+            points.append({"algorithm": algorithm, "op": op, "count": case.block, "seconds": best})
         if comm.rank == 0:
-            x = np.array([p[0] for p in points])
-            y = np.array([p[1] for p in points])
-            beta, alpha = np.polyfit(x, y, 1, w=1 / y)  # relative error: small sizes count as much as big
             with open(out_path, "w") as f:
-                json.dump({"alpha": max(float(alpha), 1e-6), "beta": max(float(beta), 1e-12),
-                           "points": points}, f)
+                json.dump({"points": points, "cores": os.cpu_count() or 1,
+                           "single_copy": comm.topology.single_copy}, f)
 
 
-def local_rates() -> tuple[float, float]:
-    """(seconds per byte reduced, seconds per byte copied), best of five passes."""
+def local_rates() -> tuple[float, float, float]:
+    """(seconds per byte reduced, seconds per byte copied, seconds per copy-engine hand-off),
+    each the best of several passes (noise only adds)."""
+    from concurrent.futures import ThreadPoolExecutor
+
     a, b, c = (np.ones(8 << 20, np.float32) for _ in range(3))  # 32 MiB each: memory-bound, as big calls are
     best_add = best_copy = math.inf
-    for _ in range(5):
+    for _ in range(7):
         t0 = time.perf_counter()
         np.add(a, b, out=c)
         t1 = time.perf_counter()
         np.copyto(c, a)
         t2 = time.perf_counter()
         best_add, best_copy = min(best_add, t1 - t0), min(best_copy, t2 - t1)
-    return best_add / c.nbytes, best_copy / c.nbytes
+
+    async def handoffs() -> float:  # a tiny task through a one-thread engine, as Stream.memory runs one
+        loop = asyncio.get_running_loop()
+        with ThreadPoolExecutor(max_workers=1) as engine:
+            times = []
+            for _ in range(200):
+                t0 = time.perf_counter()
+                await loop.run_in_executor(engine, np.copyto, c[:16], a[:16])
+                times.append(time.perf_counter() - t0)
+        return float(np.median(times))
+
+    return best_add / c.nbytes, best_copy / c.nbytes, asyncio.run(handoffs())
+
+
+def fit_link(kind: str, points: list[dict[str, Any]], model: CostModel, single_copy: bool) -> tuple[LinkCost, float]:
+    """(LinkCost, latency scale) for ``kind`` from timed ``points``.
+
+    The algorithms' own ``cost()`` gives each point's coefficients: evaluated with a model
+    whose only nonzero number is the step (``alpha``) and notify (``task``) cost in the
+    ratio of ``model``'s, then with only ``beta``; the host's gamma, copy and engine costs
+    are known. Weighted least squares (relative error) then fits t = s * latency + beta *
+    bytes + known, s scaling alpha and task. There is no intercept: the step-wise cases differ
+    little in steps, and a free per-call constant would swallow them (what every collective
+    costs alike lands in the latency, which all candidates pay). A fit that comes out
+    negative keeps the model's numbers for that term.
+    """
+    import dataclasses
+
+    from .algorithms import REGISTRY, Call, Topology
+    from .algorithms._cost import CostModel, LinkCost
+
+    topo = Topology(rank=0, size=2, hosts=("calibration",) * 2, link_kinds=("self", kind),
+                    all_mapped=kind != "rdma", single_copy=single_copy and kind != "rdma")
+    base = model.links[kind]
+    zero = {k: LinkCost(0.0, 0.0) for k in model.links}
+    latency = CostModel(links={**zero, kind: LinkCost(base.alpha, 0.0)}, gamma=0.0, copy=0.0, task=model.task,
+                        engine=0.0)
+    per_byte = CostModel(links={**zero, kind: LinkCost(0.0, 1.0)}, gamma=0.0, copy=0.0, task=0.0, engine=0.0)
+    known = dataclasses.replace(model, links={**zero, kind: LinkCost(0.0, 0.0)}, task=0.0, cores=0)
+    rows, y = [], []
+    for p in points:
+        call = Call(op=p["op"], seq=0, dtype=np.dtype(np.float32), count=int(p["count"]))
+        algorithm = REGISTRY.algorithms[p["algorithm"]]
+        costs = [algorithm.cost(call, topo, m) or 0.0 for m in (latency, per_byte, known)]
+        rows.append([costs[0], costs[1]])
+        y.append(p["seconds"] - costs[2])
+    a, t = np.array(rows), np.array(y)
+    w = 1.0 / np.maximum(np.array([p["seconds"] for p in points]), 1e-6)
+    (scale, beta), *_ = np.linalg.lstsq(a * w[:, None], t * w, rcond=None)
+    if scale <= 0:  # keep the model's latency; refit the bytes
+        scale = 1.0
+        beta = float(np.sum((t - a[:, 0]) * a[:, 1] * w * w) / max(np.sum(a[:, 1] ** 2 * w * w), 1e-30))
+    if beta <= 0:
+        beta = base.beta
+    return LinkCost(alpha=base.alpha * float(scale), beta=float(beta)), float(scale)
 
 
 def calibrate() -> None:
     """Measure the cost model's numbers on this host and cache them for every later job."""
+    import dataclasses
     import tempfile
 
     from .algorithms import _cost
     from .run import launch
 
-    links = dict(_cost.CostModel().links)
+    gamma, copy, engine = local_rates()
+    print(f"reduce: {1 / gamma / 1e9:.2f} GB/s, copy: {1 / copy / 1e9:.2f} GB/s, "
+          f"engine hand-off: {engine * 1e6:.0f} us")
+    model = dataclasses.replace(_cost.CostModel(), gamma=gamma, copy=copy, engine=engine)
+    links, scales, cores = dict(model.links), [], os.cpu_count() or 1
     with tempfile.TemporaryDirectory() as tmp:
         for kind in ("sdma", "rdma"):
             out = os.path.join(tmp, f"{kind}.json")
@@ -306,12 +384,16 @@ def calibrate() -> None:
             if status != 0:
                 sys.exit(f"ahcomm-bench calibrate: the {kind} run failed with status {status}")
             with open(out) as f:
-                fit = json.load(f)
-            links[kind] = _cost.LinkCost(alpha=fit["alpha"], beta=fit["beta"])
-            print(f"{kind}: alpha {fit['alpha'] * 1e6:.1f} us, beta {1 / fit['beta'] / 1e9:.2f} GB/s")
-    gamma, copy = local_rates()
-    print(f"reduce: {1 / gamma / 1e9:.2f} GB/s, copy: {1 / copy / 1e9:.2f} GB/s")
-    model = _cost.CostModel(links=links, gamma=gamma, copy=copy, source=f"calibrated {time.strftime('%Y-%m-%d')}")
+                measured = json.load(f)
+            cores = int(measured.get("cores", cores))
+            links[kind], scale = fit_link(kind, measured["points"], model, bool(measured.get("single_copy")))
+            scales.append(scale)
+            print(f"{kind}: alpha {links[kind].alpha * 1e6:.1f} us, beta {1 / links[kind].beta / 1e9:.2f} GB/s "
+                  f"(latency x{scale:.2f} of the defaults)")
+    task = model.task * float(np.mean(scales))
+    print(f"notify: {task * 1e6:.0f} us, cores: {cores}")
+    model = dataclasses.replace(model, links=links, task=task, cores=cores,
+                                source=f"calibrated {time.strftime('%Y-%m-%d')}")
     print(f"saved {_cost.save(model)}")
 
 

@@ -12,6 +12,15 @@ import pytest
 import ahcomm
 from ahcomm._dtypes import ML_FLOAT_DTYPES
 
+
+@pytest.fixture(autouse=True, scope="session")
+def _flight_records_in_a_temp_dir(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Flight records of the failures the tests provoke go to pytest's temp dir, not /tmp."""
+    import os
+
+    os.environ.setdefault("AHCOMM_FLIGHT_DIR", str(tmp_path_factory.mktemp("flight")))
+
+
 REDUCE_UFUNCS = {"sum": np.add, "prod": np.multiply, "max": np.maximum, "min": np.minimum, "avg": np.add,
                  "band": np.bitwise_and, "bor": np.bitwise_or, "bxor": np.bitwise_xor}
 BOOL_UFUNCS = {"sum": np.logical_or, "prod": np.logical_and, "max": np.logical_or, "min": np.logical_and,

@@ -50,7 +50,7 @@ def test_collectives_on_real_transports(n: int, transport: str) -> None:
     before = shm_names()
     proc = launch(n, str(HERE / "mp_worker.py"), env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert shm_names() == before, "shared-memory names were left behind"
+    assert shm_names() <= before, "shared-memory names were left behind"
     for rank in range(n):
         assert f"[{rank}] OK rank {rank}/{n} {transport} single_copy={single}" in proc.stdout, proc.stdout + proc.stderr
 
@@ -63,7 +63,7 @@ def test_catalogue_on_real_transports(n: int, transport: str) -> None:
     before = shm_names()
     proc = launch(n, str(HERE / "mp_catalogue.py"), env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert shm_names() == before, "shared-memory names were left behind"
+    assert shm_names() <= before, "shared-memory names were left behind"
     assert proc.stdout.count("op x algorithm cases") == n, proc.stdout + proc.stderr
 
 

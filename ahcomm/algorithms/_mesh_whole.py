@@ -52,7 +52,8 @@ import numpy as np
 from .._errors import ConfigError
 from .._stream import Stream
 from ..transports.base import Signal
-from .base import ALIGN, Call, Context, aligned, split
+from ._cost import HALF_BYTES, Work, engine_tasks, npieces
+from .base import ALIGN, Call, Context, Topology, aligned, split
 
 SLOTS = 4  # credits per region: pieces of one block in flight
 PIECE_BYTES = 1 << 20  # largest piece of a block that does not fit its region
@@ -309,3 +310,91 @@ def orchestrate_whole(ctx: Context) -> None:
         assert op == "reduce", op
         _reduce(ctx, plan)
     plan.submit()
+
+
+# -- cost ------------------------------------------------------------------------------------------
+def _geometry(regions: int) -> tuple[int, int]:
+    """(bytes a block may have and still go as one piece, bytes per piece beyond) at the
+    default CCL half (the cost model's ``HALF_BYTES``)."""
+    region = HALF_BYTES // max(1, regions)
+    return min(region, PIECE_BYTES), max(ALIGN, min(region // SLOTS, PIECE_BYTES))
+
+
+def whole_work(call: Call, topo: Topology) -> Work:
+    """What the busiest rank does in one of the ``OPS`` (the module docstring's costs).
+
+    A block that goes as one piece is a copy into the sender's buffer and a copy out of it
+    (``copied``); a bigger one streams through the slots, piece by piece, as ``Channels``
+    does (``link``): a DataSignal per piece and, beyond ``SLOTS`` pieces, a credit. A
+    single-copy pair is one read of the sender's memory, a DataSignal, an Ack and one more
+    step. all_to_all_v is costed from ``n`` alone: its counts differ from rank to rank, and
+    every rank must pick the same algorithm.
+    """
+    n, op, item = topo.size, call.op, call.itemsize
+    peers, fan = n - 1, min(n - 1, 3)
+    if op == "all_to_all_v":
+        sizes = [0] * n
+    elif call.counts is not None:
+        sizes = [c * item for c in call.counts]
+    else:  # reduce: the shares of the vector
+        sizes = [(b - a) * item for a, b in split(call.count, n)]
+    biggest, total = max(sizes, default=0), sum(sizes)
+    sc_ok = topo.single_copy and op not in ("reduce", "reduce_scatter_v")
+    regions = 1 if op in ("gather", "gather_v", "all_gather_v") else peers
+    lone, step = _geometry(regions)
+
+    def parts(nbytes: float) -> int:
+        return 1 if nbytes <= lone else npieces(nbytes, step)
+
+    def move(blocks: list[int], stage: bool) -> tuple[float, float, float, float, bool]:
+        """(copied, link, posts, engine tasks, any single copy) for reading ``blocks`` (and
+        staging them)."""
+        copied = link = posts = engines = 0.0
+        sc = False
+        for b in blocks:
+            k = parts(b)
+            if sc_ok and b >= SC_BYTES:
+                copied, posts, engines, sc = copied + b, posts + 2, engines + engine_tasks(b), True
+            elif k > 1:
+                link, posts = link + b, posts + k + max(0, k - SLOTS)
+                engines += 2 * engine_tasks(b, step)
+            else:
+                copied, posts = copied + (2 if stage else 1) * b, posts + 1
+                engines += (2 if stage else 1) * engine_tasks(b)
+        return copied, link, posts, engines / fan, sc
+
+    others = [b for p, b in enumerate(sizes) if p != call.root]
+    if op in ("gather", "gather_v"):  # the root reads every block (single copy: the owners rest)
+        copied, link, posts, engines, sc = move(others, stage=True)
+        # The owners post their DataSignals at once; the root posts an Ack per single-copy pair
+        # and the credits.
+        owner = [1 if sc_ok and b >= SC_BYTES else parts(b) for b in others]  # DataSignals of each owner
+        return Work(rounds=1 + sc, copied=copied + sizes[call.root], link=link,
+                    tasks=posts - sum(owner) + max(owner, default=0), engines=engines, busy=1 if sc else 2,
+                    streams=fan)
+    if op in ("scatter", "scatter_v"):  # the root stages every block, each reader reads its own
+        copied, link, posts, engines, sc = move(others, stage=True)
+        if sc:  # the root posts an address to every reader, which read in parallel and Ack
+            return Work(rounds=2, copied=max(others, default=0) + sizes[call.root], tasks=peers + 1,
+                        engines=engine_tasks(max(others, default=0)), busy=peers)
+        return Work(rounds=1, copied=copied + sizes[call.root], link=link, tasks=posts, engines=engines * fan, busy=2)
+    if op in ("all_to_all", "all_to_all_v", "all_gather_v"):  # every rank stages and reads
+        gathering = op == "all_gather_v"
+        blocks = sorted(sizes)[1:] if gathering else [biggest] * peers
+        copied, link, posts, engines, sc = move(blocks, stage=not gathering)
+        if gathering and not (sc_ok and biggest >= SC_BYTES):
+            copied += biggest  # staged once for every reader
+        return Work(rounds=1 + sc, copied=copied + biggest, link=link, tasks=posts, engines=engines, streams=fan)
+    # reduce_scatter_v, reduce: stage every block (share) for its owner, reduce ours out of the
+    # peers' buffers; reduce: the root then reads the reduced shares
+    k = parts(biggest)
+    staged = total - min(sizes, default=0)
+    credits = max(0, k - SLOTS)
+    piece = engine_tasks(biggest, step) if k > 1 else engine_tasks(biggest)
+    work = Work(rounds=1, copied=0.0 if k > 1 else staged, link=staged if k > 1 else 0.0,
+                reduced=peers * biggest, tasks=peers * (k + credits), engines=(peers + 1) * piece)
+    if op == "reduce":
+        work = Work(rounds=2, copied=work.copied + (0.0 if k > 1 else peers * biggest),
+                    link=work.link + (peers * biggest if k > 1 else 0.0), reduced=work.reduced,
+                    tasks=work.tasks + k + peers * credits, engines=work.engines + peers * piece / fan)
+    return work

@@ -29,7 +29,8 @@ from typing import Callable
 
 from .._stream import Stream
 from ..transports.base import Signal
-from ._mesh_whole import OPS as WHOLE_OPS, orchestrate_whole
+from ._cost import HALF_BYTES, CostModel, Work, call_bytes, engine_tasks, npieces
+from ._mesh_whole import OPS as WHOLE_OPS, orchestrate_whole, whole_work
 from .base import Algorithm, Call, Context, Resources, Topology, aligned, split
 
 DIRECT_BYTES = 32 * 1024  # all_reduce below this: every rank reduces the whole vector itself
@@ -115,6 +116,56 @@ class Mesh(Algorithm):
             per //= topo.size
         subs = min(topo.size - 1, 3) if call.op in ("all_gather", "all_reduce", "broadcast") else 0
         return Resources(substreams=subs, max_count=max(1, per))
+
+    def cost(self, call: Call, topo: Topology, model: CostModel) -> float | None:
+        """Per path, for the busiest rank (m: the vector, or one rank's block; reads of peers'
+        buffers or memory are copies, c; S slices of a CCL half, each but the last closed by an
+        Ack round): all_reduce direct a + m c + (n - 1) m g; staged 2 a + (1 + (n - 1) / n) m c +
+        (n - 1) / n m g; single copy 3 a + 2 (n - 1) / n m c + (n - 1) / n m g; all_gather a +
+        (n + 1) m c, single copy 2 a + n m c; reduce_scatter a + (n - 1) m (c + g); broadcast
+        a + 2 m c, single copy 2 a + m c (the readers work, the root only posts). Each exchange
+        posts to every peer; copies fanned out to sub-streams after an exchange are two
+        hand-offs. The whole-run ops: ``_mesh_whole.whole_work``."""
+        n, op = topo.size, call.op
+        if n == 1:
+            return 0.0
+        if op in WHOLE_OPS:
+            return whole_work(call, topo).seconds(model, topo)
+        whole, block = call_bytes(call, n)
+        peers, fan = n - 1, min(n - 1, 3)
+        sc = single_copy(call, topo)
+        if op == "all_reduce":
+            if sc:
+                work = Work(rounds=3, handoffs=2, copied=2 * peers / n * whole, reduced=peers / n * whole,
+                            tasks=3 * peers, engines=2 * engine_tasks(whole / n))
+            elif whole <= DIRECT_BYTES:
+                work = Work(rounds=1, copied=whole, reduced=peers * whole, tasks=peers)
+            else:
+                s = npieces(whole, HALF_BYTES)
+                work = Work(rounds=3 * s - 1, handoffs=2 * s, copied=(1 + peers / n) * whole,
+                            reduced=peers / n * whole, tasks=(3 * s - 1) * peers,
+                            engines=s * (2 * peers + 1) * engine_tasks(whole / n / s))
+        elif op == "all_gather":
+            if sc:
+                work = Work(rounds=2, handoffs=2, copied=n * block, tasks=2 * peers, engines=engine_tasks(block),
+                            streams=fan)
+            else:
+                s = npieces(block, HALF_BYTES)
+                work = Work(rounds=2 * s - 1, handoffs=2 * s, copied=(n + 1) * block, tasks=(2 * s - 1) * peers,
+                            engines=2 * s * engine_tasks(block / s), streams=fan)
+        elif op == "reduce_scatter":
+            s = npieces(whole, HALF_BYTES)
+            work = Work(rounds=2 * s - 1, copied=peers * block, reduced=peers * block, tasks=(2 * s - 1) * peers,
+                        engines=2 * peers * s * engine_tasks(block / s))
+        elif sc:  # broadcast, the readers read the root's buffer in two halves at once
+            halves = 2 if whole >= SPLIT_BYTES else 1
+            work = Work(rounds=2, copied=whole, tasks=peers, engines=engine_tasks(whole / halves), busy=peers,
+                        streams=halves)
+        else:  # broadcast: the root stages and posts, the readers copy
+            s = npieces(whole, HALF_BYTES)
+            work = Work(rounds=2 * s - 1, copied=2 * whole, tasks=s * peers, engines=2 * s * engine_tasks(whole / s),
+                        busy=peers)
+        return work.seconds(model, topo)
 
     async def orchestrate(self, ctx: Context) -> None:
         op = ctx.call.op

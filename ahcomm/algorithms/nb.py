@@ -23,7 +23,8 @@ executor flushes them at the end of the run).
 
 from __future__ import annotations
 
-from ._channels import Channels
+from ._channels import PIECE_BYTES, Channels
+from ._cost import CostModel, Work, call_bytes, engine_tasks, npieces
 from .base import Algorithm, Call, Context, Resources, Topology
 
 
@@ -50,6 +51,35 @@ class NB(Algorithm):
 
     def resources(self, call: Call, topo: Topology, half_bytes: int) -> Resources:
         return Resources(substreams=1)
+
+    def cost(self, call: Call, topo: Topology, model: CostModel) -> float | None:
+        """The module docstring's costs, plus the last credits: all_gather(_v) ceil(log2 n) a +
+        (n - 1) m b and the copies out of the slots; all_to_all ceil(log2 n) a + P m b with
+        P = sum of popcount(i), 0 < i < n, plus the packing and unpacking copies (2 P + n)
+        blocks. ``link`` counts bytes sent plus received; a step forwards what the previous one
+        received (a hand-off); every piece posts a DataSignal and an Ack; into a mapped buffer
+        the put is a copy too."""
+        n, op = topo.size, call.op
+        if n == 1:
+            return 0.0
+        whole, block = call_bytes(call, n)
+        dist = distances(n)
+        puts = 1 + topo.all_mapped
+        if op == "all_to_all":
+            sent = [sum(1 for i in range(1, n) if i & d) * block for d in dist]  # what each step sends
+            entries = sum(sent) / block if block else 0.0
+            copies = (entries + n) * engine_tasks(block)
+        else:
+            smallest = min(call.counts) * call.itemsize if call.counts else block
+            mean = (whole - smallest) / (n - 1)  # what a block moved is worth, all but one moving
+            sent = [min(d, n - d) * mean for d in dist]
+            copies = engine_tasks(block)
+        moved = sum(sent)
+        work = Work(rounds=len(dist) + 1, handoffs=len(dist) - 1, link=2 * moved,
+                    copied=moved + (moved + n * block if op == "all_to_all" else block),
+                    tasks=2 * sum(npieces(b, PIECE_BYTES) for b in sent),
+                    engines=puts * sum(engine_tasks(b, PIECE_BYTES) for b in sent) + copies)
+        return work.seconds(model, topo)
 
     async def orchestrate(self, ctx: Context) -> None:
         channels = Channels(ctx)

@@ -33,6 +33,8 @@ from typing import Iterator
 
 import numpy as np
 
+from ._channels import PIECE_BYTES
+from ._cost import CostModel, Work, call_bytes, engine_tasks, npieces
 from .base import Algorithm, Call, Context, Resources, Topology, split
 from .rhd import Mover
 
@@ -136,6 +138,33 @@ class NHR(Algorithm):
 
     def resources(self, call: Call, topo: Topology, half_bytes: int) -> Resources:
         return Resources(substreams=1, max_count=None)
+
+    def cost(self, call: Call, topo: Topology, model: CostModel) -> float | None:
+        """The module docstring's costs (S = ceil(log2 n) steps each way, every slice but its
+        own sent once), plus the last credits and the local copy into the working area. Each
+        step exchanges with one peer (``link``: sent plus received) and forwards what the
+        previous one received (a hand-off); every piece posts a DataSignal and an Ack; into a
+        mapped buffer the put is a copy too."""
+        n, op = topo.size, call.op
+        if n == 1:
+            return 0.0
+        whole, block = call_bytes(call, n)
+        s = steps(n)
+        share = (n - 1) / n * whole
+        puts = 1 + topo.all_mapped
+        sent = [_slices(n, k) * whole / n for k in range(s)]  # what each step sends
+        posts = 2 * sum(npieces(b, PIECE_BYTES) for b in sent)
+        big = puts * sum(engine_tasks(b, PIECE_BYTES) for b in sent)
+        if op == "all_reduce":
+            work = Work(rounds=2 * s + 1, handoffs=2 * s, link=4 * share, reduced=share, copied=share + whole,
+                        tasks=2 * posts, engines=2 * big + engine_tasks(whole))
+        elif op.startswith("reduce_scatter"):
+            work = Work(rounds=s + 1, handoffs=s, link=2 * share, reduced=share, copied=whole, tasks=posts,
+                        engines=big + engine_tasks(whole))
+        else:
+            work = Work(rounds=s + 1, handoffs=s - 1, link=2 * share, copied=share + block, tasks=posts,
+                        engines=big + engine_tasks(block))
+        return work.seconds(model, topo)
 
     async def orchestrate(self, ctx: Context) -> None:
         n, rank, call, mv = ctx.size, ctx.rank, ctx.call, Mover(ctx)

@@ -20,7 +20,8 @@ larger of the bytes this rank sends and receives).
 
 from __future__ import annotations
 
-from ._channels import Channels
+from ._channels import PIECE_BYTES, Channels
+from ._cost import CostModel, Work, call_bytes, engine_tasks, npieces
 from .base import Algorithm, Call, Context, Resources, Topology
 
 
@@ -30,6 +31,22 @@ class Pairwise(Algorithm):
 
     def resources(self, call: Call, topo: Topology, half_bytes: int) -> Resources:
         return Resources(substreams=1)
+
+    def cost(self, call: Call, topo: Topology, model: CostModel) -> float | None:
+        """(n - 1) blocks out and in (``link``: both), copied out of the slots, and the own
+        block copied; every send starts at once, so one step plus the last credits, and a
+        DataSignal and an Ack per piece of every block; into a mapped buffer the put is a copy
+        too. all_to_all_v is costed from n alone: its counts differ from rank to rank, and
+        every rank must pick the same algorithm."""
+        n = topo.size
+        if n == 1:
+            return 0.0
+        block = 0.0 if call.op == "all_to_all_v" else call_bytes(call, n)[1]
+        puts = 1 + topo.all_mapped
+        work = Work(rounds=2, link=2 * (n - 1) * block, copied=n * block,
+                    tasks=2 * (n - 1) * npieces(block, PIECE_BYTES),
+                    engines=(n - 1) * puts * engine_tasks(block, PIECE_BYTES) + engine_tasks(block))
+        return work.seconds(model, topo)
 
     async def orchestrate(self, ctx: Context) -> None:
         n, r, call = ctx.size, ctx.rank, ctx.call

@@ -34,7 +34,8 @@ from typing import Iterator
 import numpy as np
 
 from .._stream import Stream
-from ._channels import Channels
+from ._channels import PIECE_BYTES, Channels
+from ._cost import CostModel, Work, call_bytes, engine_tasks, npieces
 from .base import Algorithm, Call, Context, Resources, Topology, split
 
 Span = tuple[int, int]  # [lo, hi) in virtual ranks or in elements
@@ -139,6 +140,39 @@ class RHD(Algorithm):
 
     def resources(self, call: Call, topo: Topology, half_bytes: int) -> Resources:
         return Resources(substreams=1, max_count=None)
+
+    def cost(self, call: Call, topo: Topology, model: CostModel) -> float | None:
+        """The module docstring's costs (m: the vector or all blocks; p: the largest power of
+        two <= n; the fold's two steps when p < n), plus the last credits. Each step halves
+        (doubles) the data, exchanges it with one peer (``link``: sent plus received) and
+        forwards what the previous step received (a hand-off); halving reduces what it
+        receives, doubling copies it out of the slots. Every piece posts a DataSignal and an
+        Ack; into a mapped buffer the put is a copy too."""
+        n, op = topo.size, call.op
+        if n == 1:
+            return 0.0
+        whole, block = call_bytes(call, n)
+        fold = Fold(n)
+        steps = fold.p.bit_length() - 1
+        share = (fold.p - 1) / fold.p * whole
+        folded = int(fold.r > 0)
+        puts = 1 + topo.all_mapped
+        halves = [whole / 2 ** k for k in range(1, steps + 1)]  # what each step sends
+        posts = 2 * sum(npieces(h, PIECE_BYTES) for h in halves)
+        big = puts * sum(engine_tasks(h, PIECE_BYTES) for h in halves)
+        fold_posts = 2 * folded * npieces(whole, PIECE_BYTES)
+        fold_big = 2 * folded * puts * engine_tasks(whole, PIECE_BYTES)
+        if op == "all_reduce":
+            work = Work(rounds=2 * steps + 1 + 2 * folded, handoffs=2 * steps - 1 + 2 * folded,
+                        link=4 * share + 2 * folded * whole, reduced=share + folded * whole, copied=share,
+                        tasks=2 * posts + 2 * fold_posts, engines=2 * big + fold_big)
+        else:
+            reducing = op.startswith("reduce_scatter")
+            work = Work(rounds=steps + 1 + 2 * folded, handoffs=steps - 1 + 2 * folded,
+                        link=2 * share + folded * (whole + block),
+                        reduced=(share + folded * whole) if reducing else 0.0,
+                        copied=block + (0.0 if reducing else share), tasks=posts + fold_posts, engines=big + fold_big)
+        return work.seconds(model, topo)
 
     async def orchestrate(self, ctx: Context) -> None:
         op = ctx.call.op

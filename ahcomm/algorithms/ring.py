@@ -34,6 +34,7 @@ import numpy as np
 
 from .._errors import ConfigError
 from ..transports.base import Signal
+from ._cost import CostModel, Work, call_bytes, engine_tasks, npieces
 from .base import ALIGN, Algorithm, Call, Context, Resources, Topology, align_up, aligned, pieces, split
 
 PIECE_BYTES = 2 << 20
@@ -93,6 +94,40 @@ class Ring(Algorithm):
                                   f"it needs at least {2 * blocks * ALIGN} bytes")
             return Resources(substreams=1, max_count=per_block)
         return Resources(substreams=1)
+
+    def cost(self, call: Call, topo: Topology, model: CostModel) -> float | None:
+        """The module docstring's costs for the busiest rank, plus one step for the last credits.
+        A step forwards what the previous one received (a hand-off from the receive stream to
+        the send stream); ``link`` counts bytes sent plus bytes received. Every piece posts a
+        DataSignal at its sender and an Ack at its receiver and is copied (or reduced) out of
+        the slot; into a mapped buffer the put is a copy too. all_reduce first copies the input
+        to the output. The chain (broadcast, reduce) keeps only P + 1 ranks busy at a time."""
+        n, op = topo.size, call.op
+        if n == 1:
+            return 0.0
+        whole, block = call_bytes(call, n)
+        puts = 1 + topo.all_mapped
+        if op == "all_reduce":
+            steps, moved = 2 * (n - 1), 2 * (n - 1) / n * whole
+            work = Work(rounds=steps + 1, handoffs=steps - 1, link=2 * moved, reduced=moved / 2,
+                        copied=moved / 2 + whole, tasks=2 * steps * npieces(whole / n, PIECE_BYTES),
+                        engines=engine_tasks(whole) + steps * puts * engine_tasks(whole / n, PIECE_BYTES))
+        elif op in ("all_gather", "reduce_scatter", "all_gather_v", "reduce_scatter_v"):
+            smallest = min(call.counts) * call.itemsize if call.counts else block
+            moved = whole - smallest  # every link carries every block but one
+            reducing = op.startswith("reduce")
+            work = Work(rounds=n, handoffs=n - 2, link=2 * moved, reduced=moved if reducing else 0.0,
+                        copied=0.0 if reducing else whole, tasks=2 * (n - 1) * npieces(block, PIECE_BYTES),
+                        engines=(n - 1) * puts * engine_tasks(block, PIECE_BYTES))
+        else:  # broadcast, reduce: a middle rank receives and forwards every piece (an end does one
+            # of the two); the first piece crosses n - 1 links, then one piece time each
+            p = npieces(whole, PIECE_BYTES)
+            ends = 1 if n == 2 else 2
+            reducing = op == "reduce"
+            work = Work(rounds=n, handoffs=n - 2, link=ends * whole + (n - 2) * whole / p,
+                        reduced=whole if reducing else 0.0, copied=0.0 if reducing else whole,
+                        tasks=ends * p + n - 2, engines=puts * engine_tasks(whole, PIECE_BYTES), busy=min(n, p + 1))
+        return work.seconds(model, topo)
 
     async def orchestrate(self, ctx: Context) -> None:
         op = ctx.call.op

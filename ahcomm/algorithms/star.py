@@ -28,6 +28,7 @@ import numpy as np
 from .._errors import ConfigError
 from .._stream import Stream
 from ..transports.base import Signal
+from ._cost import HALF_BYTES, CostModel, Work, call_bytes, engine_tasks, npieces
 from .base import Algorithm, Call, Context, Resources, Topology, aligned
 
 CENTER = 0  # the rank that reduces an all_reduce
@@ -106,6 +107,42 @@ class Star(Algorithm):
         per = aligned(half_bytes, call.itemsize) // call.itemsize
         subs = min(topo.size - 1, FAN) if call.op in FANNED else 0
         return Resources(substreams=subs, max_count=max(1, per))  # whole ops ignore max_count
+
+    def cost(self, call: Call, topo: Topology, model: CostModel) -> float | None:
+        """The module docstring's costs along the critical path, every byte a copy (staging, or
+        reading or writing a peer's mapped buffer): owners stage in parallel, one step, the
+        reader copies out, from up to ``FAN`` owners at once. One rank does most of the work,
+        the others little (``busy``): all_reduce 2 a + 2 m c + (n - 1) m g, n notifies in a
+        row; reduce a + m c + (n - 1) m g; broadcast a + 2 m c; gather, scatter, all_gather
+        a + (M + m) c (M: all blocks). Data beyond a CCL half goes in rounds of one half, each
+        closed by an Ack step."""
+        n, op = topo.size, call.op
+        if n == 1:
+            return 0.0
+        whole, block = call_bytes(call, n)
+        peers, fan = n - 1, min(n - 1, FAN)
+        staged = whole if op in ("all_reduce", "reduce", "broadcast") else block
+        s = npieces(staged, HALF_BYTES)
+        acks = (s - 1) * peers  # readers free the buffers between rounds
+        big = s * engine_tasks(staged / s)  # one memory task per round
+        reads = -(-peers // fan)  # reads (writes) one stream makes in a round
+        if op == "all_reduce":  # stage, the centre reduces everything, every rank copies the result
+            work = Work(rounds=3 * s - 1, copied=2 * whole, reduced=peers * whole, tasks=s * n + acks,
+                        engines=(n + 1) * big, busy=2)
+        elif op == "reduce":  # the peers stage, the root reduces
+            work = Work(rounds=2 * s - 1, copied=whole, reduced=peers * whole, tasks=s + acks, engines=n * big, busy=2)
+        elif op == "broadcast":  # the root stages, every other rank copies out
+            work = Work(rounds=2 * s - 1, copied=2 * whole, tasks=s * peers + acks, engines=2 * big, busy=peers)
+        elif op in ("scatter", "scatter_v"):  # the root writes every block into its owner's CCL_In
+            work = Work(rounds=2 * s - 1, copied=whole + block, tasks=s * peers + acks, engines=(reads + 1) * big,
+                        busy=2, streams=fan)
+        elif op in ("gather", "gather_v"):  # owners stage, the root reads every block
+            work = Work(rounds=2 * s - 1, copied=whole + block, tasks=s + acks, engines=(reads + 1) * big, busy=2,
+                        streams=fan)
+        else:  # all_gather(_v): every rank stages its block and reads all the others
+            work = Work(rounds=2 * s - 1, copied=whole + block, tasks=s * peers + acks, engines=(reads + 1) * big,
+                        streams=fan)
+        return work.seconds(model, topo)
 
     async def orchestrate(self, ctx: Context) -> None:
         op = ctx.call.op

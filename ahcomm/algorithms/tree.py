@@ -32,7 +32,8 @@ from typing import Hashable
 
 import numpy as np
 
-from ._channels import Channels
+from ._channels import PIECE_BYTES, Channels
+from ._cost import CostModel, Work, call_bytes, engine_tasks, log2up, npieces
 from .base import Algorithm, Call, Context, Resources, Topology, split
 
 LARGE_BYTES = 512 << 10  # broadcasts from this size, on more than two ranks, scatter then all_gather
@@ -93,6 +94,38 @@ class Tree(Algorithm):
 
     def resources(self, call: Call, topo: Topology, half_bytes: int) -> Resources:
         return Resources(substreams=max(1, (topo.size - 1).bit_length()))  # one per child of the root
+
+    def cost(self, call: Call, topo: Topology, model: CostModel) -> float | None:
+        """The module docstring's costs, L = ceil(log2 n) steps deep plus the last credits; an
+        inner rank forwards what it received (a hand-off per level). The root sends to (receives
+        from) its L children concurrently, an inner rank receives and forwards: ``link`` is the
+        busier of the two. Every piece posts a DataSignal and an Ack; into a mapped buffer the
+        put is a copy too. Gather and scatter store and forward whole subtrees."""
+        n, op = topo.size, call.op
+        if n == 1:
+            return 0.0
+        whole, block = call_bytes(call, n)
+        depth = log2up(n)
+        puts = 1 + topo.all_mapped
+        if op == "broadcast" and large_broadcast(call, n):  # scatter, then a ring all_gather
+            moved, p = (n - 1) / n * whole, npieces(whole / n, PIECE_BYTES)
+            work = Work(rounds=depth + n, handoffs=depth + n - 2, link=3 * moved, copied=moved, tasks=3 * (n - 1) * p,
+                        engines=(depth + n - 1) * puts * engine_tasks(whole / n, PIECE_BYTES))
+        elif op in ("broadcast", "reduce"):  # pipelined down (up) the tree in P pieces
+            p = npieces(whole, PIECE_BYTES)
+            fanout = max(depth, 2 if n > 2 else 1)  # the root's children, or an inner rank's parent and child
+            reducing = op == "reduce"
+            work = Work(rounds=depth + 1, handoffs=depth - 1, link=fanout * whole + (depth - 1) * whole / p,
+                        reduced=depth * whole if reducing else 0.0, copied=0.0 if reducing else whole,
+                        tasks=fanout * p + depth - 1,
+                        engines=(depth if reducing else 1) * puts * engine_tasks(whole, PIECE_BYTES),
+                        busy=min(n, depth + p))
+        else:  # gather(_v), scatter(_v): the root receives (sends) every block but its own
+            own = call.counts[call.root] * call.itemsize if call.counts else block
+            work = Work(rounds=depth + 1, handoffs=depth - 1, link=whole - own, copied=whole,
+                        tasks=(n - 1) * npieces(block, PIECE_BYTES),
+                        engines=n * puts * engine_tasks(block, PIECE_BYTES), busy=2)
+        return work.seconds(model, topo)
 
     async def orchestrate(self, ctx: Context) -> None:
         call = ctx.call
