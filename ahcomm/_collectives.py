@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Sequence
 
 import numpy as np
 
+from ._devices import device_aware
 from ._dtypes import ReduceOp, check_reduce, finish_avg
 from ._errors import InvalidArgument
 from .algorithms.base import Call
@@ -61,6 +62,7 @@ class BlockedCollectives:
                       timeout: float | None = None) -> asyncio.Future[np.ndarray]: ...
 
     # -- public ------------------------------------------------------------------------------
+    @device_aware
     def reduce(self, x: Any, op: ReduceOp | str = "sum", root: int = 0, *, out: np.ndarray | None = None,
                algorithm: str | None = None, timeout: float | None = None) -> "asyncio.Future[np.ndarray | None]":
         """Elementwise reduction of ``x`` over all ranks, delivered to ``root`` (None elsewhere)."""
@@ -80,6 +82,7 @@ class BlockedCollectives:
             src = src.copy()
         return self._submit(call, src, dst, result, self._finish(dst, result, redop), algorithm, timeout=timeout)
 
+    @device_aware
     def gather(self, x: Any, root: int = 0, *, out: np.ndarray | None = None,
                algorithm: str | None = None, timeout: float | None = None) -> "asyncio.Future[np.ndarray | None]":
         """Every rank's ``x`` concatenated along axis 0 at ``root`` (None elsewhere)."""
@@ -89,6 +92,7 @@ class BlockedCollectives:
         rows = (arr.shape[0],) * self.size
         return self._gather(arr, root, rows, out, algorithm, "gather", uneven=False, timeout=timeout)
 
+    @device_aware
     def gather_v(self, x: Any, root: int = 0, *, counts: Sequence[int] | None = None,
                  out: np.ndarray | None = None, algorithm: str | None = None,
                  timeout: float | None = None) -> "asyncio.Future[Gathered | None]":
@@ -106,6 +110,7 @@ class BlockedCollectives:
         return self._gather(arr, root, None, out, algorithm, "gather_v", uneven=True, shapes=shapes,
                             timeout=timeout)
 
+    @device_aware
     def all_gather_v(self, x: Any, *, counts: Sequence[int] | None = None, out: np.ndarray | None = None,
                      algorithm: str | None = None, timeout: float | None = None) -> "asyncio.Future[Gathered]":
         """Every rank's ``x`` (row counts may differ) concatenated along axis 0, on every rank."""
@@ -131,6 +136,7 @@ class BlockedCollectives:
         return self._submit(call, src, src, None, None, algorithm, later=True, timeout=timeout,
                             prepare=lambda job: prepare(job, self._exchanged_rows(shapes, "all_gather_v", row)))
 
+    @device_aware
     def reduce_scatter_v(self, x: Any, counts: Sequence[int], op: ReduceOp | str = "sum", *,
                          out: np.ndarray | None = None, algorithm: str | None = None,
                          timeout: float | None = None) -> "asyncio.Future[np.ndarray]":
@@ -150,6 +156,7 @@ class BlockedCollectives:
                     counts=tuple(r * row for r in rows))
         return self._submit(call, src, dst, result, self._finish(dst, result, redop), algorithm, timeout=timeout)
 
+    @device_aware
     def scatter(self, x: Any, root: int = 0, *, out: np.ndarray | None = None,
                 algorithm: str | None = None, timeout: float | None = None) -> "asyncio.Future[np.ndarray]":
         """Block r of the root's ``x`` (axis 0, divisible by the world size) to rank r.
@@ -161,6 +168,7 @@ class BlockedCollectives:
         arr = self._template(x, out, "scatter", root)
         return self._scatter(arr, root, self._even_rows(arr, "scatter"), out, algorithm, "scatter", timeout=timeout)
 
+    @device_aware
     def scatter_v(self, x: Any, counts: Sequence[int], root: int = 0, *, out: np.ndarray | None = None,
                   algorithm: str | None = None, timeout: float | None = None) -> "asyncio.Future[np.ndarray]":
         """Block r (``counts[r]`` rows of the root's ``x``) to rank r.
@@ -174,6 +182,7 @@ class BlockedCollectives:
         rows = self._check_counts(counts, "scatter_v", total=arr.shape[0] if self.rank == root else None)
         return self._scatter(arr, root, rows, out, algorithm, "scatter_v", timeout=timeout)
 
+    @device_aware
     def all_to_all(self, x: Any, *, out: np.ndarray | None = None,
                    algorithm: str | None = None, timeout: float | None = None) -> "asyncio.Future[np.ndarray]":
         """Block j (axis 0, divisible by the world size) of ``x`` goes to rank j; the result
@@ -182,6 +191,7 @@ class BlockedCollectives:
         rows = self._even_rows(arr, "all_to_all")
         return self._all_to_all(arr, rows, rows, out, algorithm, "all_to_all", timeout=timeout)
 
+    @device_aware
     def all_to_all_v(self, x: Any, send_counts: Sequence[int], *, recv_counts: Sequence[int] | None = None,
                      out: np.ndarray | None = None, algorithm: str | None = None,
                      timeout: float | None = None) -> "asyncio.Future[Gathered]":

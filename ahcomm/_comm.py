@@ -47,6 +47,7 @@ from ._buffers import CclBuffers
 from ._collectives import BlockedCollectives
 from ._objects import ObjectCollectives
 from ._p2p import PointToPoint
+from ._devices import device_aware
 from ._dtypes import ReduceOp, check_dtype, check_reduce, finish_avg, ufunc_for
 from ._errors import (AhcommError, CollectiveMismatchError, CollectiveTimeout, CommClosedError, InvalidArgument,
                       PeerFailure, UsageError, check_timeout)
@@ -154,6 +155,7 @@ class Comm(BlockedCollectives, ObjectCollectives, PointToPoint):
         return self._seq
 
     # -- collectives ------------------------------------------------------------------------
+    @device_aware
     def all_reduce(self, x: Any, op: ReduceOp | str = "sum", *, out: np.ndarray | None = None,
                    algorithm: str | None = None, timeout: float | None = None) -> "asyncio.Future[np.ndarray]":
         """Elementwise reduction of ``x`` over all ranks; every rank gets the result."""
@@ -163,6 +165,7 @@ class Comm(BlockedCollectives, ObjectCollectives, PointToPoint):
         return self._issue("all_reduce", arr, arr.shape, arr.size, out, redop=redop, algorithm=algorithm,
                            timeout=timeout)
 
+    @device_aware
     def all_gather(self, x: Any, *, out: np.ndarray | None = None, algorithm: str | None = None,
                    timeout: float | None = None) -> "asyncio.Future[np.ndarray]":
         """Concatenate every rank's ``x`` along axis 0, in rank order."""
@@ -170,6 +173,7 @@ class Comm(BlockedCollectives, ObjectCollectives, PointToPoint):
         shape = (self.size * arr.shape[0], *arr.shape[1:]) if arr.ndim else (self.size,)
         return self._issue("all_gather", arr, shape, arr.size, out, algorithm=algorithm, timeout=timeout)
 
+    @device_aware
     def reduce_scatter(self, x: Any, op: ReduceOp | str = "sum", *, out: np.ndarray | None = None,
                        algorithm: str | None = None, timeout: float | None = None) -> "asyncio.Future[np.ndarray]":
         """Reduce ``x`` over ranks and give rank r block r of axis 0."""
@@ -186,6 +190,7 @@ class Comm(BlockedCollectives, ObjectCollectives, PointToPoint):
         return self._issue("reduce_scatter", arr, shape, arr.size // self.size, out, redop=redop,
                            algorithm=algorithm, timeout=timeout)
 
+    @device_aware
     def broadcast(self, x: Any, root: int = 0, *, out: np.ndarray | None = None,
                   algorithm: str | None = None, timeout: float | None = None) -> "asyncio.Future[np.ndarray]":
         """Every rank gets the root's ``x`` (other ranks' ``x`` gives only shape and dtype)."""

@@ -56,15 +56,17 @@ Ascend device.
 from __future__ import annotations
 
 import asyncio
+import functools
 import sys
 import threading
 from collections import OrderedDict
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator, Callable, TypeVar, cast
 
 import ml_dtypes
 import numpy as np
 
-__all__ = ["Staged", "StagingPool", "POOL", "stage", "to_host", "host_out", "staged_chunks", "is_device_tensor"]
+__all__ = ["Staged", "StagingPool", "POOL", "stage", "to_host", "host_out", "staged_chunks", "is_device_tensor",
+           "device_aware"]
 
 #: chunk of the device-to-host copy when ``stage`` is given no ``chunk_bytes`` (8 MiB: a
 #: few hundred microseconds at PCIe speeds, small against the collectives' slices)
@@ -523,3 +525,51 @@ async def staged_chunks(x: Any, chunk_bytes: int = DEFAULT_CHUNK_BYTES, *,
     finally:
         if own:
             st.release()
+
+
+# -- the API's entry: collectives accept device tensors ---------------------------------------
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _is_host(x: Any) -> bool:
+    return x is None or type(x) is np.ndarray
+
+
+async def _finished(future: "asyncio.Future[Any]", staged: Staged) -> Any:
+    try:
+        result = await future
+    except BaseException:
+        staged.release()
+        raise
+    counts = getattr(result, "counts", None)
+    if counts is not None and hasattr(result, "data"):  # an uneven result: (data, counts)
+        return type(result)(staged.finish(result.data), counts)
+    return staged.finish(result)
+
+
+def device_aware(method: F) -> F:
+    """Let a collective ``method(self, x, ..., out=None, ...)`` take tensors and array-likes.
+
+    Host numpy arrays go straight through. Anything else is staged (``stage``), waited for on
+    the host, given to the collective as numpy, and the result comes back as the caller's
+    type on the caller's device (``Staged.finish``).
+    """
+    @functools.wraps(method)
+    def wrapper(self: Any, x: Any, *args: Any, out: Any = None, **kwargs: Any) -> Any:
+        if _is_host(x) and _is_host(out):
+            return method(self, x, *args, out=out, **kwargs)
+        from ._errors import InvalidArgument
+
+        try:
+            staged = stage(np.empty(0, np.uint8) if x is None else x, out)
+        except TypeError as exc:
+            raise InvalidArgument(f"{method.__name__}: {exc}") from None
+        staged.wait()
+        host_out = staged.out_for(()) if out is not None else None
+        try:
+            future = method(self, staged.array if x is not None else None, *args, out=host_out, **kwargs)
+        except BaseException:
+            staged.release()
+            raise
+        return asyncio.ensure_future(_finished(future, staged))
+    return cast(F, wrapper)
