@@ -85,7 +85,7 @@ async def test_init_without_environment_says_how() -> None:
 
 
 async def test_single_rank_init_needs_no_rendezvous() -> None:
-    comm = await ahcomm.init(rank=0, world_size=1, config=ahcomm.Config())
+    await ahcomm.init(rank=0, world_size=1, config=ahcomm.Config())
     assert ahcomm.get_rank() == 0 and ahcomm.get_world_size() == 1
     x = np.arange(5.0)
     np.testing.assert_array_equal(await ahcomm.all_reduce(x), x)

@@ -28,7 +28,7 @@ a task that depends on what the receiver sent back (a later step), never in the 
 
 from __future__ import annotations
 
-from typing import Hashable, Sequence
+from typing import Hashable, Iterator, Sequence
 
 import numpy as np
 
@@ -119,3 +119,39 @@ class Channels:
         for peer, sent in self._sent.items():
             for k in range(max(0, sent - self.slots), sent):
                 self.ctx.wait(self._tx[peer], peer, Signal.ACK, k % self.slots)
+
+
+class Lane:
+    """Sends on ``tx`` and receives on ``rx`` through ``ch``, forwarding as data lands: a send
+    from an array waits, piece by piece, for exactly the pieces of this lane's earlier
+    receives into that same array that it overlaps."""
+
+    def __init__(self, ctx: Context, ch: Channels, tx: Stream, rx: Stream, tag: object) -> None:
+        self.ctx, self.ch, self.tx, self.rx, self.tag = ctx, ch, tx, rx, tag
+        self._landed: list[tuple[np.ndarray, int, int]] = []
+        self._waited: set[tuple[int, int]] = set()
+
+    def send(self, peer: int, arr: np.ndarray, lo: int, hi: int) -> None:
+        """Send ``arr[lo:hi]`` (a flat array) to ``peer``, each piece once its data is in."""
+        step = self.ch.step
+        for a in range(lo, hi, step):
+            b = min(a + step, hi)
+            for key in self._needed(arr, a, b):
+                self.tx.wait(self.ctx.local(key))
+            self.ch.send(self.tx, peer, arr[a:b])
+
+    def recv(self, peer: int, arr: np.ndarray, lo: int, hi: int, operand: np.ndarray | None = None) -> None:
+        """Receive ``arr[lo:hi]`` from ``peer``; with ``operand`` (same length): reduce with it."""
+        key = len(self._landed)
+        self._landed.append((arr, lo, hi))
+        self.ch.recv(self.rx, peer, arr[lo:hi], reduce_with=operand, done=[("lane", self.tag, key)])
+
+    def _needed(self, arr: np.ndarray, a: int, b: int) -> Iterator[tuple[tuple[str, object, int], int]]:
+        step = self.ch.step
+        for key, (into, lo, hi) in enumerate(self._landed):
+            if into is not arr or hi <= a or b <= lo:
+                continue
+            for i in range((max(a, lo) - lo) // step, (min(b, hi) - 1 - lo) // step + 1):
+                if (key, i) not in self._waited:
+                    self._waited.add((key, i))
+                    yield ("lane", self.tag, key), i

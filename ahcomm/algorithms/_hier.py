@@ -8,12 +8,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Iterator
 
 import numpy as np
 
 from .._stream import Stream
-from ._channels import Channels
+from ._channels import Lane
 from ._cost import CostModel, LinkCost, Work, log2up
 from .base import Context, Topology, split
 from .rhd import Fold
@@ -85,40 +84,6 @@ class Streams:
     @staticmethod
     def of(ctx: Context, lay: Layout) -> "Streams":
         return Streams(ctx.main, ctx.subs[0], ctx.subs[1], {p: ctx.subs[2 + i] for i, p in enumerate(lay.peers)})
-
-
-class Lane:
-    """Sends on ``tx`` and receives on ``rx`` through shared Channels (rhd.Mover on given
-    streams): a send waits, piece by piece, for the receives of this lane into the same
-    array that it overlaps, so forwarding overlaps the arrival."""
-
-    def __init__(self, ctx: Context, ch: Channels, tx: Stream, rx: Stream, tag: object) -> None:
-        self.ctx, self.ch, self.tx, self.rx, self.tag = ctx, ch, tx, rx, tag
-        self._landed: list[tuple[np.ndarray, int, int]] = []
-        self._waited: set[tuple[int, int]] = set()
-
-    def send(self, peer: int, arr: np.ndarray, lo: int, hi: int) -> None:
-        step = self.ch.step
-        for a in range(lo, hi, step):
-            b = min(a + step, hi)
-            for key in self._needed(arr, a, b):
-                self.tx.wait(self.ctx.local(key))
-            self.ch.send(self.tx, peer, arr[a:b])
-
-    def recv(self, peer: int, arr: np.ndarray, lo: int, hi: int, operand: np.ndarray | None = None) -> None:
-        key = len(self._landed)
-        self._landed.append((arr, lo, hi))
-        self.ch.recv(self.rx, peer, arr[lo:hi], reduce_with=operand, done=[("lane", self.tag, key)])
-
-    def _needed(self, arr: np.ndarray, a: int, b: int) -> Iterator[tuple[tuple[str, object, int], int]]:
-        step = self.ch.step
-        for key, (into, lo, hi) in enumerate(self._landed):
-            if into is not arr or hi <= a or b <= lo:
-                continue
-            for i in range((max(a, lo) - lo) // step, (min(b, hi) - 1 - lo) // step + 1):
-                if (key, i) not in self._waited:
-                    self._waited.add((key, i))
-                    yield ("lane", self.tag, key), i
 
 
 def ring_all_reduce(lane: Lane, members: list[int], q: int, w: np.ndarray) -> None:

@@ -40,9 +40,9 @@ import math
 import numpy as np
 
 from .._errors import ConfigError
-from ._channels import PIECE_BYTES, Channels
+from ._channels import PIECE_BYTES, Channels, Lane
 from ._cost import CostModel, Work, call_bytes, log2up, npieces
-from ._hier import (Lane, Layout, Price, Streams, group_all_reduce, layout, rhd_all_reduce, ring_all_reduce,
+from ._hier import (Layout, Price, Streams, group_all_reduce, layout, rhd_all_reduce, ring_all_reduce,
                     tree)
 from .base import Algorithm, Call, Context, Resources, Topology, split
 

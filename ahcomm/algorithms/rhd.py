@@ -31,55 +31,19 @@ from __future__ import annotations
 
 from typing import Iterator
 
-import numpy as np
 
-from .._stream import Stream
-from ._channels import PIECE_BYTES, Channels
+from ._channels import PIECE_BYTES, Channels, Lane
 from ._cost import CostModel, Work, call_bytes, engine_tasks, npieces
 from .base import Algorithm, Call, Context, Resources, Topology, split
 
 Span = tuple[int, int]  # [lo, hi) in virtual ranks or in elements
 
 
-class Mover:
-    """Sends on the main stream and receives on sub-stream 0 of one run, through Channels.
-
-    A send from an array waits, piece by piece, for exactly the pieces of earlier receives
-    into that same array that it overlaps, so forwarding overlaps the arrival.
-    """
+class Mover(Lane):
+    """A Lane with its own Channels: sends on the main stream, receives on sub-stream 0."""
 
     def __init__(self, ctx: Context) -> None:
-        self.ctx = ctx
-        self.ch = Channels(ctx)
-        self.tx: Stream = ctx.main
-        self.rx: Stream = ctx.subs[0]
-        self._landed: list[tuple[np.ndarray, int, int]] = []  # (array, lo, hi) of each receive
-        self._waited: set[tuple[int, int]] = set()
-
-    def send(self, peer: int, arr: np.ndarray, lo: int, hi: int) -> None:
-        """Send ``arr[lo:hi]`` (a flat array) to ``peer``, each piece once its data is in."""
-        step = self.ch.step
-        for a in range(lo, hi, step):
-            b = min(a + step, hi)
-            for key in self._needed(arr, a, b):
-                self.tx.wait(self.ctx.local(key))
-            self.ch.send(self.tx, peer, arr[a:b])
-
-    def recv(self, peer: int, arr: np.ndarray, lo: int, hi: int, operand: np.ndarray | None = None) -> None:
-        """Receive ``arr[lo:hi]`` from ``peer``; with ``operand`` (same length): reduce with it."""
-        key = len(self._landed)
-        self._landed.append((arr, lo, hi))
-        self.ch.recv(self.rx, peer, arr[lo:hi], reduce_with=operand, done=[("mv", key)])
-
-    def _needed(self, arr: np.ndarray, a: int, b: int) -> Iterator[tuple[tuple[str, int], int]]:
-        step = self.ch.step
-        for key, (into, lo, hi) in enumerate(self._landed):
-            if into is not arr or hi <= a or b <= lo:
-                continue
-            for i in range((max(a, lo) - lo) // step, (min(b, hi) - 1 - lo) // step + 1):
-                if (key, i) not in self._waited:
-                    self._waited.add((key, i))
-                    yield ("mv", key), i
+        super().__init__(ctx, Channels(ctx), ctx.main, ctx.subs[0], "mv")
 
     async def finish(self) -> None:
         self.ch.finish()
