@@ -94,9 +94,9 @@ async def test_close_while_a_mismatch_is_being_diagnosed_delivers_the_verdict(mo
                                                                              tmp_path: object) -> None:
     """The peer never describes its call: the diagnosis waits REPLY_WAIT; close() meanwhile
     neither hangs nor leaves the pending call without its error."""
-    from ahcomm import _comm
+    from ahcomm import _health
 
-    monkeypatch.setattr(_comm, "REPLY_WAIT", 0.3)
+    monkeypatch.setattr(_health, "REPLY_WAIT", 0.3)
     monkeypatch.setenv("AHCOMM_FLIGHT_DIR", str(tmp_path))
     comms = await ahcomm.init_inprocess(2, buffsize=1 << 20)
     for link in comms[1]._executor.links.values():
@@ -118,9 +118,9 @@ async def test_close_while_a_mismatch_is_being_diagnosed_delivers_the_verdict(mo
 
 async def test_abort_during_a_diagnosis_wins_and_garbage_control_messages_are_ignored(
         monkeypatch: pytest.MonkeyPatch, tmp_path: object) -> None:
-    from ahcomm import _comm
+    from ahcomm import _health
 
-    monkeypatch.setattr(_comm, "REPLY_WAIT", 5.0)
+    monkeypatch.setattr(_health, "REPLY_WAIT", 5.0)
     monkeypatch.setenv("AHCOMM_FLIGHT_DIR", str(tmp_path))
     comms = await ahcomm.init_inprocess(2, buffsize=1 << 20)
     for payload in (b"", b"AHc1", b"AHc1\xc1", b"AHc1" + b"\x92\x01\x02", b"other layer", b"AHc1\x81\xa1t\xa3st?",

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 import ahcomm
-from ahcomm import _buffers, _comm
+from ahcomm import _buffers, _health
 from ahcomm._collectives import Gathered
 from ahcomm.transports.base import Link
 
@@ -152,7 +152,7 @@ async def test_calls_whose_signals_never_carry_a_fingerprint_are_caught_by_the_a
         deliver(self, signal, index, seq, value, 0)
 
     monkeypatch.setattr(Link, "deliver", no_fingerprint)
-    monkeypatch.setattr(_comm, "PROBE_AFTER", 0.1)
+    monkeypatch.setattr(_health, "PROBE_AFTER", 0.1)
     comms = await ahcomm.init_inprocess(2, buffsize=MIB)
     for c in comms:
         c._exec_timeout = 20
@@ -172,7 +172,7 @@ async def test_calls_whose_signals_never_carry_a_fingerprint_are_caught_by_the_a
 
 async def test_the_fingerprint_is_given_when_the_peer_does_not_describe_its_call(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(_comm, "REPLY_WAIT", 0.2)
+    monkeypatch.setattr(_health, "REPLY_WAIT", 0.2)
     comms = await ahcomm.init_inprocess(2, buffsize=MIB)
     for link in comms[1]._executor.links.values():
         link.on_fingerprint = None  # rank 1 does not check...
@@ -261,7 +261,7 @@ async def test_ranks_timing_out_together_do_not_count_each_other_as_missing() ->
 
 
 async def test_timeout_names_a_rank_that_does_not_answer(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(_comm, "REPLY_WAIT", 0.2)
+    monkeypatch.setattr(_health, "REPLY_WAIT", 0.2)
     comms = await ahcomm.init_inprocess(3, buffsize=MIB)
     comms[0]._exec_timeout = 0.3  # AHCOMM_EXEC_TIMEOUT
     for link in comms[2]._executor.links.values():
