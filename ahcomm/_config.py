@@ -39,7 +39,9 @@ def _int(env: Mapping[str, str], names: tuple[str, ...], default: int | None) ->
         raise ConfigError(f"{name}={value!r} is not an integer") from None
 
 
-def _float(env: Mapping[str, str], name: str, default: float) -> float:
+def _float(env: Mapping[str, str], name: str, default: float, *, low: float = 0.0, high: float | None = None,
+           allow_zero: bool = False) -> float:
+    """A number from ``env``: positive (or 0 where ``allow_zero``), at most ``high``."""
     value = env.get(name)
     if value in (None, ""):
         return default
@@ -47,8 +49,9 @@ def _float(env: Mapping[str, str], name: str, default: float) -> float:
         out = float(value)  # type: ignore[arg-type]
     except ValueError:
         raise ConfigError(f"{name}={value!r} is not a number") from None
-    if out <= 0:
-        raise ConfigError(f"{name}={value!r} must be positive")
+    if out < low or (out == 0 and not allow_zero) or (high is not None and out > high):
+        limits = f"between 0 (off) and {high:g}" if allow_zero and high is not None else "positive"
+        raise ConfigError(f"{name}={value!r} must be {limits}")
     return out
 
 
@@ -61,20 +64,6 @@ def _flag(env: Mapping[str, str], name: str, default: bool) -> bool:
     if value in ("0", "false", "no", "off"):
         return False
     raise ConfigError(f"{name}={value!r}: expected 1 or 0")
-
-
-def _seconds(env: Mapping[str, str], name: str, default: float) -> float:
-    """A duration in seconds; 0 turns the feature off."""
-    value = env.get(name)
-    if value in (None, ""):
-        return default
-    try:
-        out = float(value)  # type: ignore[arg-type]
-    except ValueError:
-        raise ConfigError(f"{name}={value!r} is not a number of seconds") from None
-    if not 0 <= out <= 3600:
-        raise ConfigError(f"{name}={value!r} must be between 0 (off) and 3600 seconds")
-    return out
 
 
 _SUFFIX = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "m": 1 << 20, "mb": 1 << 20, "g": 1 << 30, "gb": 1 << 30}
@@ -161,7 +150,7 @@ class Config:
             job_secret=env.get("AHCOMM_JOB_SECRET") or None,
             insecure=_flag(env, "AHCOMM_INSECURE", False),
             encrypt=_flag(env, "AHCOMM_ENCRYPT", False),
-            heartbeat=_seconds(env, "AHCOMM_HEARTBEAT", 1.0),
+            heartbeat=_float(env, "AHCOMM_HEARTBEAT", 1.0, high=3600, allow_zero=True),
             max_message=_bytes(env, "AHCOMM_MAX_MESSAGE", 1 << 30),
         )
 

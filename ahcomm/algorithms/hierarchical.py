@@ -69,6 +69,19 @@ def with_level1(level1: str | None) -> "Hierarchical":
     return _BY_LEVEL1[level1]
 
 
+def _reduce_local(ctx: Context, lay: Layout, ch: Channels, st: Streams, piece: np.ndarray, own: np.ndarray) -> None:
+    """``piece`` = the local ranks' contributions (``own`` for this rank), combined in local-rank
+    order on the level-0 receive stream: the same order on every server."""
+    for j, p in enumerate(lay.local):
+        if p != lay.me:
+            ch.recv(st.rx0, p, piece, reduce_with=piece if j else None)
+        elif j:
+            assert ctx.ufunc is not None
+            st.rx0.reduce(ctx.ufunc, piece, piece, own)
+        else:
+            st.rx0.copy(piece, own)
+
+
 class Hierarchical(Algorithm):
     name = "hier"
     ops = frozenset({"all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce"})
@@ -150,15 +163,7 @@ class Hierarchical(Algorithm):
         for c, w in work.items():
             a = chunks[c][0]
             for pa, pb in ch.pieces(w.size):
-                piece = w[pa:pb]
-                for j, p in enumerate(lay.local):
-                    if p != me:
-                        ch.recv(st.rx0, p, piece, reduce_with=piece if j else None)
-                    elif j:
-                        assert ctx.ufunc is not None
-                        st.rx0.reduce(ctx.ufunc, piece, piece, src[a + pa:a + pb])
-                    else:
-                        st.rx0.copy(piece, src[a + pa:a + pb])
+                _reduce_local(ctx, lay, ch, st, w[pa:pb], src[a + pa:a + pb])
             st.rx0.post(ctx.local((tag, c, "tx")))
             st.rx0.post(ctx.local((tag, c, "rx")))
 
@@ -278,15 +283,7 @@ class Hierarchical(Algorithm):
                 ch.send(st.tx0[o], o, src[b])
         for b, w in work.items():
             for i, (pa, pb) in enumerate(ch.pieces(count)):
-                piece = w[pa:pb]
-                for j, p in enumerate(lay.local):
-                    if p != me:
-                        ch.recv(st.rx0, p, piece, reduce_with=piece if j else None)
-                    elif j:
-                        assert ctx.ufunc is not None
-                        st.rx0.reduce(ctx.ufunc, piece, piece, src[b, pa:pb])
-                    else:
-                        st.rx0.copy(piece, src[b, pa:pb])
+                _reduce_local(ctx, lay, ch, st, w[pa:pb], src[b, pa:pb])
                 st.rx0.post(ctx.local((("r", b), i)))
         for t in range(1, S):  # level 1: our partial of each block we hold to its rank
             for b in lay.ranks[(lay.s + t) % S]:
