@@ -29,7 +29,7 @@ class Gathered(NamedTuple):
     counts: tuple[int, ...]
 
 
-def _flat(result: np.ndarray) -> np.ndarray:
+def flat_view(result: np.ndarray) -> np.ndarray:
     """A flat contiguous view of ``result``, or a temporary when it is strided."""
     return result.reshape(-1) if result.flags.c_contiguous else np.empty(result.size, result.dtype)
 
@@ -75,7 +75,7 @@ class BlockedCollectives:
         if self.rank != root:
             return self._submit(call, src, src[:0], None, None, algorithm, timeout=timeout)
         result = self._output("reduce", out, arr.shape, dtype)
-        dst = _flat(result)
+        dst = flat_view(result)
         if result is arr and arr.flags.c_contiguous:
             src = dst
         elif out is not None and np.may_share_memory(result, arr):
@@ -122,7 +122,7 @@ class BlockedCollectives:
 
         def prepare(job: _Job, rows: tuple[int, ...]) -> None:
             result = self._output("all_gather_v", out, (sum(rows), *arr.shape[1:]), dtype)
-            job.dst = _flat(result)
+            job.dst = flat_view(result)
             job.call.counts = tuple(r * row for r in rows)
             job.result = Gathered(result, rows)
             job.finish = self._finish(job.dst, result, None)
@@ -148,7 +148,7 @@ class BlockedCollectives:
         rows = self._check_counts(counts, "reduce_scatter_v", total=arr.shape[0])
         row = _row_size(arr)
         result = self._output("reduce_scatter_v", out, (rows[self.rank], *arr.shape[1:]), dtype)
-        dst = _flat(result)
+        dst = flat_view(result)
         src = np.ascontiguousarray(arr).reshape(-1)
         if out is not None and np.may_share_memory(result, arr):
             src = src.copy()
@@ -286,7 +286,7 @@ class BlockedCollectives:
             job.call.counts = tuple(r * row for r in got)
             if self.rank == root:
                 result = self._output(op, out, (sum(got), *arr.shape[1:]), dtype)
-                job.dst = _flat(result)
+                job.dst = flat_view(result)
                 job.finish = self._finish(job.dst, result, None)
                 job.result = Gathered(result, got) if uneven else result
 
@@ -299,7 +299,7 @@ class BlockedCollectives:
         src = np.ascontiguousarray(arr).reshape(-1) if self.rank == root else np.empty(0, dtype)
         mine = rows[self.rank]
         result = self._output(op, out, (mine, *arr.shape[1:]), dtype)
-        dst = _flat(result)
+        dst = flat_view(result)
         if self.rank == root and np.may_share_memory(result, arr):
             src = src.copy()
         call = Call(op=op, seq=self._seq, dtype=dtype, count=mine * row, root=int(root),
@@ -318,7 +318,7 @@ class BlockedCollectives:
         def prepare(job: _Job) -> None:
             got = recv if recv is not None else tuple(int(c) for c in exchanged.result())  # type: ignore[union-attr]
             result = self._output(op, out, (sum(got), *arr.shape[1:]), dtype)
-            job.dst = _flat(result)
+            job.dst = flat_view(result)
             if np.may_share_memory(job.dst, job.src):  # blocks are sent while others land: read a copy
                 job.src = job.src.copy()
             job.call.recv_counts = tuple(r * row for r in got)

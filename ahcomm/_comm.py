@@ -43,9 +43,9 @@ import numpy as np
 
 from . import _flight
 from ._buffers import CclBuffers
-from ._collectives import BlockedCollectives
+from ._collectives import BlockedCollectives, flat_view
 from ._devices import device_aware
-from ._dtypes import ReduceOp, check_dtype, check_reduce, finish_avg, ufunc_for
+from ._dtypes import ReduceOp, check_dtype, check_reduce, ufunc_for
 from ._errors import CommClosedError, InvalidArgument, UsageError, check_timeout
 from . import _health
 from ._health import Health
@@ -171,12 +171,7 @@ class Comm(Health, BlockedCollectives, ObjectCollectives, PointToPoint):
         arr, dtype = self._input(x, "reduce_scatter")
         redop = ReduceOp.parse(op)
         check_reduce(redop, dtype)
-        if arr.ndim == 0 or arr.shape[0] % self.size:
-            rows = arr.shape[0] if arr.ndim else "a 0-d array"
-            raise InvalidArgument(
-                f"reduce_scatter: x.shape[0] ({rows}) must be divisible by the world size ({self.size}); "
-                f"pad x to a multiple of {self.size} rows (uneven blocks: reduce_scatter_v, planned)"
-            )
+        self._even_rows(arr, "reduce_scatter")  # names reduce_scatter_v for uneven blocks
         shape = (arr.shape[0] // self.size, *arr.shape[1:])
         return self._issue("reduce_scatter", arr, shape, arr.size // self.size, out, redop=redop,
                            algorithm=algorithm, timeout=timeout)
@@ -221,7 +216,7 @@ class Comm(Health, BlockedCollectives, ObjectCollectives, PointToPoint):
         inplace = result is arr and arr.flags.c_contiguous
         if op == "broadcast" and self.rank != root:
             inplace = result.flags.c_contiguous  # a non-root's x carries no data
-        dst = result.reshape(-1) if result.flags.c_contiguous else np.empty(result.size, dtype)
+        dst = flat_view(result)
         if inplace:
             src = dst
         elif out is not None and np.may_share_memory(result, arr):  # out overlaps x: read a copy
@@ -229,7 +224,7 @@ class Comm(Health, BlockedCollectives, ObjectCollectives, PointToPoint):
         else:
             src = np.ascontiguousarray(arr).reshape(-1)
         call = Call(op=op, seq=self._seq, dtype=dtype, count=count, redop=redop, root=int(root))
-        return self._submit(call, src, dst, result, self._finisher(call, dst, result), algorithm, timeout=timeout)
+        return self._submit(call, src, dst, result, self._finish(dst, result, redop), algorithm, timeout=timeout)
 
     def _submit(self, call: Call, src: np.ndarray, dst: np.ndarray, result: Any,
                 finish: Callable[[], None] | None, algorithm: str | None, *,
@@ -279,19 +274,6 @@ class Comm(Health, BlockedCollectives, ObjectCollectives, PointToPoint):
         if not out.flags.writeable:
             raise InvalidArgument(f"{op}: out is read-only")
         return out
-
-    def _finisher(self, call: Call, dst: np.ndarray, result: np.ndarray) -> Callable[[], None] | None:
-        avg = call.redop is ReduceOp.AVG
-        strided = not result.flags.c_contiguous
-        if not avg and not strided:
-            return None
-
-        def finish() -> None:
-            if avg:
-                finish_avg(dst, self.size)
-            if strided:
-                np.copyto(result, dst.reshape(result.shape))
-        return finish
 
     async def _work(self) -> None:
         loop = asyncio.get_running_loop()

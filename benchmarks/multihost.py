@@ -22,6 +22,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 from netns import Fabric  # noqa: E402
 
+from ahcomm.bench import parse_size  # noqa: E402
+
 TCP_SINK = ("import socket, sys\n"
             "s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)\n"
             "s.bind((sys.argv[1], 5201)); s.listen(1); c, _ = s.accept()\n"
@@ -94,8 +96,8 @@ def main() -> None:
              "| algorithm | time (ms) | algbw (MB/s) | busbw (MB/s) | inter-host busbw (MB/s) | vs TCP stream | vs ring |",
              "|---|---:|---:|---:|---:|---:|---:|"]
     ring_time = rows["ring"]["time_us"]
+    size_bytes = parse_size(args.size)
     for algo, r in rows.items():
-        size_bytes = r["algbw"] * 1e9 * r["time_us"] * 1e-6
         inter = 2 * (servers - 1) / servers * size_bytes / (r["time_us"] * 1e-6)  # bytes each server sends out
         lines.append(f"| {algo} | {r['time_us'] / 1e3:.1f} | {r['algbw'] * 1e3:.1f} | {r['busbw'] * 1e3:.1f} | "
                      f"{inter / 1e6:.1f} | {inter / stream:.2f} | {ring_time / r['time_us']:.2f}x |")

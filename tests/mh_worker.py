@@ -4,12 +4,10 @@ byte counters show where the traffic went. MH_LAYOUT gives ranks per host, e.g. 
 
 from __future__ import annotations
 
-import asyncio
 import os
-import sys
 
 import ahcomm
-from mp_catalogue import run_catalogue
+from mp_catalogue import run_catalogue, run_rank
 
 
 async def main() -> None:
@@ -31,8 +29,4 @@ async def main() -> None:
 
 
 if __name__ == "__main__":
-    try:
-        asyncio.run(main())
-    except Exception as exc:
-        print(f"FAIL rank {os.environ.get('AHCOMM_RANK')}: {exc!r}", file=sys.stderr, flush=True)
-        raise
+    run_rank(main)

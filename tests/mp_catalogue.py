@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import os
 import sys
-from typing import Any
+from typing import Any, Callable, Coroutine
 
 import numpy as np
 
@@ -132,9 +132,14 @@ async def main() -> None:
     print(f"OK rank {r}/{n} ran {ran} op x algorithm cases", flush=True)
 
 
-if __name__ == "__main__":
+def run_rank(main: Callable[[], Coroutine[Any, Any, None]]) -> None:
+    """Run a rank's ``main``; a failure is printed with the rank before it propagates."""
     try:
         asyncio.run(main())
     except Exception as exc:
         print(f"FAIL rank {os.environ.get('AHCOMM_RANK')}: {exc!r}", file=sys.stderr, flush=True)
         raise
+
+
+if __name__ == "__main__":
+    run_rank(main)
