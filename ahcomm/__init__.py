@@ -26,6 +26,7 @@ from ._api import (
     get_rank,
     get_world_size,
     init,
+    new_group,
     recv,
     reduce,
     reduce_scatter,
@@ -33,6 +34,7 @@ from ._api import (
     scatter,
     scatter_v,
     send,
+    split,
 )
 from ._bootstrap import create_inprocess as init_inprocess
 from ._collectives import Gathered
@@ -65,5 +67,5 @@ __all__ = [
     "all_gather", "all_gather_object", "all_gather_v", "all_reduce", "all_to_all", "all_to_all_v", "barrier",
     "batch_send_recv", "broadcast", "broadcast_object", "default_comm", "finalize", "gather", "gather_object",
     "gather_v", "get_rank", "get_root_info", "get_world_size", "init", "init_inprocess", "recv", "reduce", "reduce_scatter",
-    "reduce_scatter_v", "scatter", "scatter_v", "send", "__version__",
+    "reduce_scatter_v", "scatter", "scatter_v", "send", "split", "new_group", "__version__",
 ]

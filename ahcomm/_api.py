@@ -140,6 +140,16 @@ def gather_object(obj: Any, root: int = 0) -> "asyncio.Future[list[Any] | None]"
     return default_comm().gather_object(obj, root)
 
 
+async def split(color: int | None, key: int | None = None) -> Comm | None:
+    """``default_comm().split(color, key)``: a sub-communicator (every rank calls it)."""
+    return await default_comm().split(color, key)
+
+
+async def new_group(ranks: Sequence[int]) -> Comm | None:
+    """``default_comm().new_group(ranks)``: a sub-communicator of ``ranks`` (every rank calls it)."""
+    return await default_comm().new_group(ranks)
+
+
 async def finalize() -> None:
     """Close the default communicator."""
     if _default is not None:

@@ -37,7 +37,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable
+from typing import Any, Awaitable, Callable, Sequence
 
 import numpy as np
 
@@ -47,7 +47,7 @@ from ._collectives import BlockedCollectives, flat_view
 from ._devices import device_aware
 from ._dtypes import ReduceOp, check_dtype, check_reduce, ufunc_for
 from ._errors import CommClosedError, InvalidArgument, UsageError, check_timeout
-from . import _health
+from . import _groups, _health
 from ._health import Health
 from ._objects import ObjectCollectives
 from ._p2p import PointToPoint
@@ -121,6 +121,11 @@ class Comm(Health, BlockedCollectives, ObjectCollectives, PointToPoint):
             self._loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
         except RuntimeError:
             self._loop = None
+        self.world_ranks: tuple[int, ...] = tuple(range(size))  # the first communicator's rank of each member
+        self.parent_ranks: tuple[int, ...] = self.world_ranks  # the parent's rank of each member (a sub-communicator)
+        self._parent: Comm | None = None
+        self._children: list[Comm] = []  # open sub-communicators made from this one
+        self._domains = _groups.Domains()
         self._executor.set_hooks(on_abort=self._peer_aborted, on_fingerprint=self._on_fingerprint,
                                  on_control=self._on_control, on_lost=self._on_lost)
         self._p2p_init()
@@ -128,7 +133,8 @@ class Comm(Health, BlockedCollectives, ObjectCollectives, PointToPoint):
             _flight.watch(self, self._loop)
 
     def __repr__(self) -> str:
-        return f"<ahcomm.Comm rank={self.rank} size={self.size} seq={self._seq}>"
+        group = f" world_ranks={list(self.world_ranks)}" if self._parent is not None else ""
+        return f"<ahcomm.Comm rank={self.rank} size={self.size} seq={self._seq}{group}>"
 
     async def __aenter__(self) -> "Comm":
         return self
@@ -191,6 +197,25 @@ class Comm(Health, BlockedCollectives, ObjectCollectives, PointToPoint):
         call = Call(op="barrier", seq=self._seq, dtype=np.dtype(np.uint8), count=0)
         empty = np.empty(0, np.uint8)
         return self._submit(call, empty, empty, None, None, None, timeout=timeout)
+
+    # -- sub-communicators -----------------------------------------------------------------
+    async def split(self, color: int | None, key: int | None = None) -> "Comm | None":
+        """A sub-communicator of the ranks that pass the same ``color``, ordered by ``key``
+        (default: this rank), then by rank; None where ``color`` is None (MPI_Comm_split).
+
+        Every rank of this communicator must call it. The group reuses this communicator's
+        connections (no new rendezvous); its collectives have their own sequence numbers and
+        CCL buffers, run independently of this communicator's and match only among its members.
+        """
+        return await _groups.split(self, color, key)
+
+    async def new_group(self, ranks: Sequence[int]) -> "Comm | None":
+        """A sub-communicator of ``ranks`` (its rank i is ``ranks[i]``); None on the other ranks.
+
+        Every rank of this communicator must call it with the same ``ranks`` (as
+        torch.distributed.new_group); see ``split``.
+        """
+        return await _groups.new_group(self, ranks)
 
     # -- plumbing ---------------------------------------------------------------------------
     def _check_open(self) -> None:
@@ -384,6 +409,8 @@ class Comm(Health, BlockedCollectives, ObjectCollectives, PointToPoint):
         """Finish pending collectives, meet the other ranks, and release every resource."""
         if self._closed:
             return
+        for child in list(self._children):  # its links ride on ours
+            await child.close()
         try:
             if self._error is None and self.size > 1:
                 await asyncio.wait_for(self.barrier(), timeout=min(self._exec_timeout, 30.0))
@@ -423,5 +450,7 @@ class Comm(Health, BlockedCollectives, ObjectCollectives, PointToPoint):
         if self._loop is not None:
             _flight.unwatch(self, self._loop)
         await self._executor.close()
+        if self._parent is not None and self in self._parent._children:
+            self._parent._children.remove(self)
         if self._on_close is not None:
             await self._on_close()

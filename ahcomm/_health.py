@@ -37,6 +37,8 @@ class Health:
     # set by Comm.__init__
     rank: int
     size: int
+    world_ranks: tuple[int, ...]
+    _parent: object | None
     _executor: Executor
     _exec_timeout: float
     _seq: int
@@ -108,7 +110,7 @@ class Health:
         call = self._call_for(seq)
         mine = describe(call) if call is not None else "an unknown collective"
         op = call.op if call is not None else "collective"
-        text = (f"{op} #{seq} mismatch: rank {self.rank} called {mine}, rank {peer} called a different "
+        text = (f"{op} #{seq} mismatch: {self._name(self.rank)} called {mine}, {self._name(peer)} called a different "
                 f"collective (fingerprint {theirs:#010x})")
         error = CollectiveMismatchError(text, seq=seq, ranks=tuple(sorted((self.rank, peer))))
         self._freeze(error, self._diagnose_mismatch(peer, seq, theirs, call))
@@ -125,7 +127,7 @@ class Health:
                                f"within {REPLY_WAIT:g} s)"), None
         sides = sorted([(self.rank, mine), (peer, other)])
         name = my_op if my_op is not None and other_op == my_op else "collective"
-        text = f"{name} #{seq} mismatch: " + ", ".join(f"rank {r} called {d}" for r, d in sides)
+        text = f"{name} #{seq} mismatch: " + ", ".join(f"{self._name(r)} called {d}" for r, d in sides)
         if other == mine:
             text += f" (fingerprints {call._fp if call else 0:#010x} and {theirs:#010x} differ)"
         suffix, path = self._record(text)
@@ -174,7 +176,7 @@ class Health:
     def _timed_out(self, job: _Job, limit: float) -> None:
         call = job.call
         source = f"timeout={limit:g}" if job.timeout is not None else "AHCOMM_EXEC_TIMEOUT"
-        head = f"{call.op} #{call.seq} on rank {self.rank} did not complete within {limit:g} s ({source})"
+        head = f"{call.op} #{call.seq} on {self._name(self.rank)} did not complete within {limit:g} s ({source})"
         self._freeze(CollectiveTimeout(head, op=call.op, seq=call.seq), self._diagnose_timeout(job, head))
 
     async def _diagnose_timeout(self, job: _Job, head: str) -> tuple[BaseException, tuple[str, str]]:
@@ -190,7 +192,7 @@ class Health:
             st = replies[peer]
             if st is None:
                 missing.append(peer)
-                notes.append(f"rank {peer} did not answer within {REPLY_WAIT:g} s")
+                notes.append(f"{self._name(peer)} did not answer within {REPLY_WAIT:g} s")
                 continue
             nxt, running, done = int(st.get("next", 0)), int(st.get("running", -1)), int(st.get("done", -1))
             if int(st.get("started", -1)) >= seq or done >= seq:  # it reached the call (it may have failed since)
@@ -202,11 +204,11 @@ class Health:
             failed = f"; its communicator failed: {st['failed']}" if st.get("failed") else ""
             if nxt <= seq:
                 last = f"its last call: #{nxt - 1} {st.get('last_op')}" if nxt > 0 else "no collective called yet"
-                notes.append(f"rank {peer} has not called it yet ({last}, {completed}){failed}")
+                notes.append(f"{self._name(peer)} has not called it yet ({last}, {completed}){failed}")
             elif running >= 0:
-                notes.append(f"rank {peer} is still in {st.get('running_op')} #{running}{failed}")
+                notes.append(f"{self._name(peer)} is still in {st.get('running_op')} #{running}{failed}")
             else:
-                notes.append(f"rank {peer} has it queued ({completed}){failed}")
+                notes.append(f"{self._name(peer)} has it queued ({completed}){failed}")
         if missing:
             who = ", ".join(str(p) for p in missing)
             diag = f"rank{'s' if len(missing) > 1 else ''} {who} had not arrived: {'; '.join(notes)}"
@@ -378,15 +380,16 @@ class Health:
         error: AhcommError
         if kind == "mismatch":
             suffix, path = self._record(text)
-            error = CollectiveMismatchError(f"{text} (found by rank {peer}){suffix}", seq=msg.get("seq"))
+            error = CollectiveMismatchError(f"{text} (found by {self._name(peer)}){suffix}", seq=msg.get("seq"))
         elif kind == "timeout":
-            message = f"rank {peer} aborted its communicator: {text}"
+            message = f"{self._name(peer)} aborted its communicator: {text}"
             suffix, path = self._record(message)
             error = CollectiveTimeout(message + suffix, op=msg.get("op"), seq=msg.get("seq"),
                                       missing=tuple(msg.get("missing") or ()))
         elif kind == "lost":
             lost = int(msg.get("lost", peer))
-            message = (f"rank {lost} was lost ({text}; found by rank {peer}); rank {self.rank} can no longer "
+            message = (f"{self._name(lost)} was lost ({text}; found by {self._name(peer)}); "
+                       f"{self._name(self.rank)} can no longer "
                        f"run collectives on it")
             suffix, path = self._record(message)
             error = PeerFailure(message + suffix, rank=lost)
@@ -394,7 +397,8 @@ class Health:
             self._peer_aborted(peer, text)
             return
         else:
-            message = f"rank {peer} aborted its communicator ({text}); rank {self.rank} can no longer run collectives on it"
+            message = (f"{self._name(peer)} aborted its communicator ({text}); "
+                       f"{self._name(self.rank)} can no longer run collectives on it")
             suffix, path = self._record(message)
             error = PeerFailure(message + suffix, rank=peer)
         error.flight_record = path
@@ -402,7 +406,8 @@ class Health:
 
     def _peer_aborted(self, peer: int, reason: str) -> None:
         if self._final is None:
-            message = f"rank {peer} aborted its communicator ({reason}); rank {self.rank} can no longer run collectives on it"
+            message = (f"{self._name(peer)} aborted its communicator ({reason}); "
+                       f"{self._name(self.rank)} can no longer run collectives on it")
             suffix, path = self._record(message)
             error = PeerFailure(message + suffix, rank=peer)
             error.flight_record = path
@@ -424,15 +429,22 @@ class Health:
             return
         if self._final is not None or self._closed:
             return
-        message = f"rank {peer} was lost ({reason}) {self._during()}; rank {self.rank} can no longer run collectives on it"
+        message = (f"{self._name(peer)} was lost ({reason}) {self._during()}; "
+                   f"{self._name(self.rank)} can no longer run collectives on it")
         if self._closing:  # after close()'s barrier peers go away: end quietly
             self._fail(PeerFailure(message, rank=peer), record=False)
             return
         suffix, path = self._record(message)
         error = PeerFailure(message + suffix, rank=peer)
         error.flight_record = path
-        self._fail(error, record=False, tell=("lost", f"{reason}, {self._during()} on rank {self.rank}"),
+        self._fail(error, record=False, tell=("lost", f"{reason}, {self._during()} on {self._name(self.rank)}"),
                    extra={"lost": peer})
+
+    def _name(self, rank: int) -> str:
+        """How messages name a rank of this communicator (a sub-communicator's with its world rank)."""
+        if self._parent is None or not 0 <= rank < len(self.world_ranks):
+            return f"rank {rank}"
+        return f"rank {rank} (world rank {self.world_ranks[rank]})"
 
     # -- diagnosis --------------------------------------------------------------------------
     def status_line(self) -> str:

@@ -175,7 +175,7 @@ async def test_peers_without_the_secret_are_refused_in_the_handshake(encrypt: bo
     ch = channel_of(comms[0])
     wrong = Credentials.derive("another-secret-0123456789abcdef", encrypt=encrypt)
     other_mechanism = Credentials.derive(SECRET, encrypt=not encrypt)  # the right secret, the wrong mechanism
-    header = HEADER.pack(_zmq.MSG_SIGNAL, 0, 0, 0, 0, 0)
+    header = HEADER.pack(_zmq.MSG_SIGNAL, 0, 0, 0, 0, 0, 0)
     attackers = []
 
     def knows_the_server_key(sock: zmq.Socket[Any]) -> None:  # CURVE: a client of its own (reaches ZAP)
@@ -235,7 +235,7 @@ def _junk(rng: random.Random) -> list[bytes]:
     kind = rng.choice([1, 2, 3, 4, 5, 6, 7, 8, 9, 0, 10, 200, 255])
     header = HEADER.pack(kind, rng.choice([0, 1, 2, 3, 255]), rng.randrange(1 << 16),
                          rng.choice([0, 1, 8, 4096, 1 << 20, (1 << 32) - 1]), rng.randrange(-(1 << 63), 1 << 63),
-                         rng.choice([0, 8, 1 << 20, (1 << 64) - 1]))
+                         rng.choice([0, 8, 1 << 20, (1 << 64) - 1]), rng.choice([0, 0, 0, 1, 0xFFFF]))
     shape = rng.randrange(8)
     if shape == 0:
         return [header[:rng.randrange(HEADER.size)]]  # truncated header
@@ -273,7 +273,7 @@ async def test_fuzzed_link_messages_never_hurt_a_live_rank() -> None:
         sent += name != "real"
         if i % 50 == 0:
             await asyncio.sleep(0)
-    socks["stranger"].send_multipart([HEADER.pack(6, 0, 0, 64, 0, 0), b"x" * (_zmq.FRAME_LIMIT + 8192)])  # too big
+    socks["stranger"].send_multipart([HEADER.pack(6, 0, 0, 64, 0, 0, 0), b"x" * (_zmq.FRAME_LIMIT + 8192)])  # too big
     await until(lambda: ch.rejected - before_rejected >= sent)
     assert time.monotonic() - start < 20
     assert ch.rejected - before_rejected == sent  # every stranger's message counted; none from the duplicate
@@ -297,13 +297,13 @@ async def _channel_with_peer(max_message: int = 4096) -> tuple[Channel, RdmaLink
     links = [RdmaLink(0, peer, ch, nowhere, None) for peer in (1, 2)]
     ch.start()
     as1, as2 = (dealer(ch.endpoints["ipc"], creds, RANK_ID.pack(p)) for p in (1, 2))
-    as1.send(HEADER.pack(_zmq.MSG_SIGNAL, Signal.ACK, 9, 0, 0, 0))
+    as1.send(HEADER.pack(_zmq.MSG_SIGNAL, Signal.ACK, 9, 0, 0, 0, 0))
     await asyncio.wait_for(links[0].wait(Signal.ACK, 9, 0), 5)  # the path works
     return ch, links[0], links[1], as1, as2
 
 
 def _h(kind: int, a: int = 0, index: int = 0, nbytes: int = 0, seq: int = 0, offset: int = 0) -> bytes:
-    return HEADER.pack(kind, a, index, nbytes, seq, offset)
+    return HEADER.pack(kind, a, index, nbytes, seq, offset, 0)
 
 
 MALFORMED = {
@@ -478,8 +478,9 @@ async def main():
         rng = random.Random(99)
         for i in range(800):
             frames = [HEADER.pack(rng.randrange(256), rng.randrange(256), rng.randrange(1 << 16),
-                                  rng.randrange(1 << 32), rng.randrange(1 << 62), rng.randrange(1 << 64))]
-            frames[0] = frames[0][:rng.choice([24, 24, 24, 10, 0])]
+                                  rng.randrange(1 << 32), rng.randrange(1 << 62), rng.randrange(1 << 64),
+                                  rng.choice([0, 0, 0, 7]))]
+            frames[0] = frames[0][:rng.choice([26, 26, 26, 10, 0])]
             frames += [rng.randbytes(rng.randrange(300)) for _ in range(rng.randrange(3))]
             socks[i % 4].send_multipart(frames)
             if i % 100 == 0:

@@ -46,9 +46,11 @@ from .._errors import ConnectError, PeerFailure, TransportError
 from ._auth import AUTH, HANDSHAKE_FAILED, Credentials, context, fd, readable
 from .base import BUFFER_NAMES, MAX_CONTROL, Link, ProgressHook
 
-# kind, signal-or-buffer, index, nbytes, seq, offset (a signal's value travels as its offset,
-# the fingerprint of the sender's call as its nbytes)
-HEADER = struct.Struct("<BBHIqQ")
+# kind, signal-or-buffer, index, nbytes, seq, offset, domain (a signal's value travels as its
+# offset, the fingerprint of the sender's call as its nbytes; domain 0 is the communicator the
+# connection was made for, others its sub-communicators, see ``ZmqLink.child``)
+HEADER = struct.Struct("<BBHIqQH")
+MAX_DOMAIN = 0xFFFF
 MSG_SIGNAL, MSG_PUT, MSG_DATA_ACK, MSG_PROGRESS, MSG_ABORT, MSG_P2P, MSG_P2P_ACK, MSG_CONTROL = 1, 2, 3, 4, 5, 6, 7, 8
 MSG_BYE = 9  # the sender closed its communicator: nothing more will come from it
 MAX_SIGNAL = 2  # Signal.DATA_ACK
@@ -156,8 +158,9 @@ class Channel:
         self.creds = creds or Credentials("null")
         self.heartbeat = heartbeat
         self.max_message = min(max_message, MAX_MESSAGE_LIMIT)
-        self.links: dict[int, ZmqLink] = {}
+        self.links: dict[tuple[int, int], ZmqLink] = {}  # (domain, peer's rank on the wire) -> link
         self.rejected = 0
+        self.late = 0  # messages for a sub-communicator that is closed here (dropped quietly)
         self.closing = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stranger_log = (-LOG_EVERY, 0)  # (time of the last warning about strangers, drops since)
@@ -229,18 +232,26 @@ class Channel:
             try:
                 ident = router.recv(zmq.NOBLOCK)
                 header = router.recv(zmq.NOBLOCK)  # a ROUTER message has at least identity and one frame
-                link = links.get(RANK_ID.unpack(ident)[0]) if len(ident) == RANK_ID.size else None
-                if link is None:
-                    self._stranger(ident)
-                elif len(header) != HEADER.size:
-                    raise Malformed(f"a header of {len(header)} bytes (expected {HEADER.size})")
-                else:
-                    kind, a, index, nbytes, seq, offset = unpack(header)
-                    if kind == MSG_SIGNAL and a <= MAX_SIGNAL and not router.getsockopt(zmq.RCVMORE):
-                        link.deliver(a, index, seq, offset, nbytes)  # the hot path
+                peer = RANK_ID.unpack(ident)[0] if len(ident) == RANK_ID.size else -1
+                if len(header) == HEADER.size:
+                    kind, a, index, nbytes, seq, offset, domain = unpack(header)
+                    link = links.get((domain, peer))
+                    if link is not None:
+                        if kind == MSG_SIGNAL and a <= MAX_SIGNAL and not router.getsockopt(zmq.RCVMORE):
+                            link.deliver(a, index, seq, offset, nbytes)  # the hot path
+                            continue
+                        link.on_message(kind, a, index, nbytes, seq, offset, router)  # reads exactly its frames
                         continue
-                    link.on_message(kind, a, index, nbytes, seq, offset, router)  # reads exactly its frames
-                    continue
+                    if (0, peer) in links:  # a peer's message for a sub-communicator closed here
+                        self.late += 1
+                    else:
+                        self._stranger(ident)
+                else:
+                    link = links.get((0, peer))
+                    if link is None:
+                        self._stranger(ident)
+                    else:
+                        raise Malformed(f"a header of {len(header)} bytes (expected {HEADER.size})")
             except zmq.Again:
                 break
             except Exception as exc:  # noqa: BLE001 - a bad message must not kill the reader
@@ -283,9 +294,9 @@ class Channel:
             except (ValueError, RuntimeError, zmq.ZMQError):
                 pass
         self._monitor.stop()
-        for link in self.links.values():
+        for link in list(self.links.values()):
             link.say_goodbye()
-        for link in self.links.values():
+        for link in list(self.links.values()):
             link.close()
         self.links.clear()
         if not self.router.closed:
@@ -300,20 +311,31 @@ class ZmqLink(Link):
     """A link whose notifies travel as ZeroMQ messages on the peer's channel."""
 
     def __init__(self, rank: int, peer: int, channel: Channel, endpoint: str,
-                 on_progress: ProgressHook | None) -> None:
+                 on_progress: ProgressHook | None, *, parent: "ZmqLink | None" = None, domain: int = 0) -> None:
         super().__init__(rank, peer, on_progress)
         self.channel = channel
         self.endpoint = endpoint
         self.rejected = 0  # messages from this peer rejected as malformed
-        self.up = False  # the handshake with the peer's endpoint succeeded
+        self.up = parent is not None  # the handshake with the peer's endpoint succeeded
         self.peer_closed = False  # the peer said goodbye: it closed its communicator
         self.lost_reason: str | None = None  # set when the peer is judged lost
         self.lost_at: float | None = None  # time.time() of that judgement
         self._closing = False
         self._grace: asyncio.TimerHandle | None = None
-        self.sock, self._monitor = channel.dealer(endpoint, self._on_event)
-        channel.links[peer] = self
         self._p2p_sent: dict[tuple[int, int], asyncio.Future[None]] = {}
+        self._said_goodbye = False
+        # A sub-communicator's link shares the connection of the link it was opened from: its
+        # messages carry its domain, and the connection's loss or goodbye reaches it too.
+        self.domain = domain
+        self.root: ZmqLink = parent.root if parent is not None else self
+        self.children: list[ZmqLink] = []  # (root link only) the sub-communicators' links on this connection
+        self.wire_peer: int = parent.wire_peer if parent is not None else peer  # the peer's DEALER identity
+        if parent is None:
+            self.sock, self._monitor = channel.dealer(endpoint, self._on_event)
+        else:
+            self.sock, self._monitor = self.root.sock, None
+            self.root.children.append(self)
+        channel.links[(domain, self.wire_peer)] = self
         if channel._loop is not None:
             self.watch(channel._loop)
 
@@ -351,9 +373,15 @@ class ZmqLink(Link):
         self.channel.drain()
         if self.peer_closed or self._closing:
             return
-        self.lost_reason, self.lost_at = reason, time.time()
         log.warning("rank %d lost rank %d: %s", self.rank, self.peer, reason)
         self._stop_watching()
+        for link in (self, *self.children):
+            link._lost(reason)
+
+    def _lost(self, reason: str) -> None:
+        if self.lost_reason is not None or self._closing:
+            return
+        self.lost_reason, self.lost_at = reason, time.time()
         try:
             self.peer_lost(reason)
         except Exception:  # noqa: BLE001 - the hook's failure must not stop the waiters' wake-up
@@ -361,15 +389,26 @@ class ZmqLink(Link):
         self.fail(PeerFailure(f"rank {self.peer} is lost: {reason} (noticed by rank {self.rank})", rank=self.peer))
 
     def _peer_said_goodbye(self) -> None:
-        self.peer_closed = True
+        """The peer closed this link's communicator (the root link: its whole endpoint, so every
+        sub-communicator on the connection too)."""
+        if self.root is not self:
+            self._goodbye()
+            return
         if self._grace is not None:
             self._grace.cancel()
             self._grace = None
         self._stop_watching()
+        for link in (self, *self.children):
+            link._goodbye()
+
+    def _goodbye(self) -> None:
+        self.peer_closed = True
         if self._error is None:  # everything it sent came before the goodbye: no waiter can be served now
             self.fail(PeerFailure(f"rank {self.peer} closed its communicator", rank=self.peer))
 
     def _stop_watching(self) -> None:
+        if self.root is not self:
+            return
         if self._monitor is not None:
             self._monitor.stop()
         if not self.sock.closed:
@@ -381,7 +420,7 @@ class ZmqLink(Link):
     # -- sending ----------------------------------------------------------------------------
     def _send(self, kind: int, a: int, index: int, seq: int, nbytes: int = 0, offset: int = 0,
               data: Any = None) -> None:
-        header = HEADER.pack(kind, a, index, nbytes, seq, offset)
+        header = HEADER.pack(kind, a, index, nbytes, seq, offset, self.domain)
         try:
             if data is None:
                 self.sock.send(header, zmq.NOBLOCK)
@@ -421,7 +460,7 @@ class ZmqLink(Link):
         if len(meta) > MAX_META:
             raise TransportError(f"link {self.rank}->{self.peer}: message metadata of {len(meta)} bytes "
                                  f"(at most {MAX_META})")
-        header = HEADER.pack(MSG_P2P, 0, tag, payload.nbytes, counter, 0)
+        header = HEADER.pack(MSG_P2P, 0, tag, payload.nbytes, counter, 0, self.domain)
         pieces = [payload[i:i + FRAME_LIMIT] for i in range(0, max(payload.nbytes, 1), FRAME_LIMIT)]
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._p2p_sent[key] = done
@@ -442,9 +481,10 @@ class ZmqLink(Link):
 
     def say_goodbye(self) -> None:
         """Tell the peer this rank closes its communicator (after everything sent so far)."""
-        if self.lost_reason is None and not self.sock.closed:
+        if self.lost_reason is None and not self.sock.closed and not self._said_goodbye:
+            self._said_goodbye = True
             try:
-                self.sock.send(HEADER.pack(MSG_BYE, 0, 0, 0, 0, 0), zmq.NOBLOCK)
+                self.sock.send(HEADER.pack(MSG_BYE, 0, 0, 0, 0, 0, self.domain), zmq.NOBLOCK)
             except zmq.ZMQError:
                 pass
 
@@ -527,6 +567,13 @@ class ZmqLink(Link):
 
     def close(self) -> None:
         self._closing = True
+        if self.root is not self:  # a sub-communicator's link: the connection stays with its root
+            self.say_goodbye()
+            if self.channel.links.get((self.domain, self.wire_peer)) is self:
+                del self.channel.links[(self.domain, self.wire_peer)]
+            if self in self.root.children:
+                self.root.children.remove(self)
+            return
         if self._grace is not None:
             self._grace.cancel()
             self._grace = None

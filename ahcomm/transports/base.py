@@ -30,6 +30,7 @@ from typing import Any, Awaitable, Callable, ClassVar, Protocol
 
 import numpy as np
 
+from .._buffers import CclBuffers
 from .._notify import Notify
 
 
@@ -193,6 +194,23 @@ class Link(ABC):
         if not fut.done():
             fut.set_result((meta, data))
         self.bytes_received += len(memoryview(data).cast("B"))
+
+    # -- sub-communicators -----------------------------------------------------------------
+    def describe_buffers(self, buffers: CclBuffers) -> dict[str, Any]:
+        """What a peer needs to reach ``buffers`` (this rank's CCL buffers for a new
+        sub-communicator) over this kind of link: a small msgpack-able dict."""
+        return {"buffsize": buffers.nbytes}
+
+    def child(self, domain: int, rank: int, peer: int, buffers: CclBuffers, peer_buffers: dict[str, Any],
+              on_progress: ProgressHook | None) -> "Link":
+        """A link of a sub-communicator to the same peer over this link's connection.
+
+        ``domain`` (1..65535, agreed by both ends) keeps its notifies, messages and puts apart
+        from every other communicator's on the connection; ``rank``/``peer`` are the two ends'
+        ranks in the sub-communicator; ``buffers`` are this rank's CCL buffers for it and
+        ``peer_buffers`` the peer's ``describe_buffers`` of its own.
+        """
+        raise NotImplementedError(f"{self.kind} links cannot carry sub-communicators")
 
     # -- lifecycle ------------------------------------------------------------------------
     def close(self) -> None:

@@ -7,6 +7,8 @@ plain numpy arrays, so links are mapped, exactly like SDMA links on one host.
 from __future__ import annotations
 
 import ctypes
+import itertools
+import weakref
 from typing import Any, Awaitable
 
 import numpy as np
@@ -23,10 +25,28 @@ class InprocLink(MappedAccess, Link):
     kind = "inproc"
     single_copy = True  # one address space: a read is a memmove
 
-    def __init__(self, rank: int, peer: int, peer_buffers: CclBuffers, on_progress: ProgressHook | None) -> None:
+    def __init__(self, rank: int, peer: int, peer_buffers: CclBuffers, on_progress: ProgressHook | None,
+                 world: "InprocWorld | None" = None, ends: tuple[int, int] | None = None) -> None:
         super().__init__(rank, peer, on_progress)
         self._remote = (peer_buffers.ccl_in.array, peer_buffers.ccl_out.array)
         self.twin: InprocLink | None = None  # the peer's link back to us
+        self.world = world
+        self.ends = ends or (rank, peer)  # (this rank, the peer) in the world's numbering
+        self.domain_key = (0, *self.ends)
+
+    def describe_buffers(self, buffers: CclBuffers) -> dict[str, Any]:
+        assert self.world is not None
+        return {"buffsize": buffers.nbytes, "token": self.world.export(buffers)}
+
+    def child(self, domain: int, rank: int, peer: int, buffers: CclBuffers, peer_buffers: dict[str, Any],
+              on_progress: ProgressHook | None) -> "InprocLink":
+        assert self.world is not None
+        return self.world.pair(domain, self.ends, InprocLink(rank, peer, self.world.imported(peer_buffers["token"]),
+                                                             on_progress, self.world, self.ends))
+
+    def close(self) -> None:
+        if self.world is not None:
+            self.world.unpair(self)
 
     def post(self, signal: int, index: int, seq: int, value: int = 0, fingerprint: int = 0) -> None:
         assert self.twin is not None
@@ -66,7 +86,9 @@ class InprocWorld:
     def __init__(self, size: int) -> None:
         self.size = size
         self.buffers: dict[int, CclBuffers] = {}
-        self.links: dict[tuple[int, int], InprocLink] = {}
+        self.links: dict[tuple[int, int, int], InprocLink] = {}  # (domain, rank, peer) -> link
+        self._exported: weakref.WeakValueDictionary[int, CclBuffers] = weakref.WeakValueDictionary()
+        self._tokens = itertools.count(1)
 
     def register(self, rank: int, buffers: CclBuffers) -> None:
         self.buffers[rank] = buffers
@@ -77,10 +99,28 @@ class InprocWorld:
         for peer in range(self.size):
             if peer == rank:
                 continue
-            link = InprocLink(rank, peer, self.buffers[peer], on_progress)
-            self.links[(rank, peer)] = link
-            twin = self.links.get((peer, rank))
-            if twin is not None:
-                link.twin, twin.twin = twin, link
-            links[peer] = link
+            links[peer] = self.pair(0, (rank, peer), InprocLink(rank, peer, self.buffers[peer], on_progress, self))
         return links
+
+    def pair(self, domain: int, ends: tuple[int, int], link: InprocLink) -> InprocLink:
+        """Register ``link`` (domain, this rank, the peer) and join it to its twin if that exists."""
+        rank, peer = ends
+        self.links[(domain, rank, peer)] = link
+        link.domain_key = (domain, rank, peer)
+        twin = self.links.get((domain, peer, rank))
+        if twin is not None:
+            link.twin, twin.twin = twin, link
+        return link
+
+    def unpair(self, link: InprocLink) -> None:
+        if self.links.get(link.domain_key) is link:
+            del self.links[link.domain_key]
+
+    def export(self, buffers: CclBuffers) -> int:
+        """A token for a sub-communicator's buffers that the other ranks of this world can map."""
+        token = next(self._tokens)
+        self._exported[token] = buffers
+        return token
+
+    def imported(self, token: Any) -> CclBuffers:
+        return self._exported[int(token)]

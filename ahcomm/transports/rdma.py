@@ -16,6 +16,7 @@ from typing import Any, Awaitable
 import numpy as np
 import zmq
 
+from .._buffers import CclBuffers
 from ._zmq import FRAME_LIMIT, MSG_DATA_ACK, MSG_PUT, Channel, Malformed, ZmqLink, buffer_name
 from .base import BUFFER_IDS, MemoryRunner, ProgressHook, as_bytes
 
@@ -27,10 +28,17 @@ class RdmaLink(ZmqLink):
     mapped = False
 
     def __init__(self, rank: int, peer: int, channel: Channel, endpoint: str,
-                 on_progress: ProgressHook | None) -> None:
-        super().__init__(rank, peer, channel, endpoint, on_progress)
+                 on_progress: ProgressHook | None, *, parent: ZmqLink | None = None, domain: int = 0,
+                 buffers: CclBuffers | None = None) -> None:
+        super().__init__(rank, peer, channel, endpoint, on_progress, parent=parent, domain=domain)
+        self.local = buffers or channel.buffers  # where the peer's puts land
         self._unacked = 0
         self._flushed: asyncio.Future[None] | None = None
+
+    def child(self, domain: int, rank: int, peer: int, buffers: CclBuffers, peer_buffers: dict[str, Any],
+              on_progress: ProgressHook | None) -> "RdmaLink":
+        return RdmaLink(rank, peer, self.channel, self.endpoint, on_progress, parent=self, domain=domain,
+                        buffers=buffers)
 
     def put(self, src: np.ndarray, buf: str, offset: int, seq: int, run: MemoryRunner) -> "Awaitable[Any] | None":
         if self._error is not None:
@@ -56,7 +64,7 @@ class RdmaLink(ZmqLink):
     def on_data_message(self, kind: int, a: int, index: int, nbytes: int, seq: int, offset: int,
                         sock: zmq.Socket[Any]) -> None:
         if kind == MSG_PUT:
-            region = self.channel.buffers.get(buffer_name(a)).array
+            region = self.local.get(buffer_name(a)).array
             if nbytes > PUT_CHUNK or offset + nbytes > region.nbytes:
                 raise Malformed(f"rdma link {self.peer}->{self.rank}: a put of {nbytes} bytes at {offset}, outside "
                                 f"the CCL buffer ({region.nbytes} bytes) or over {PUT_CHUNK} bytes")

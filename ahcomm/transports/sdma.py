@@ -13,7 +13,7 @@ from typing import Any, Awaitable
 import numpy as np
 import zmq
 
-from .._buffers import SharedRegion
+from .._buffers import CclBuffers, SharedRegion
 from .._errors import PeerFailure, TransportError
 from . import _cma
 from ._zmq import Channel, Malformed, ZmqLink
@@ -24,12 +24,35 @@ class SdmaLink(MappedAccess, ZmqLink):
     kind = "sdma"
 
     def __init__(self, rank: int, peer: int, channel: Channel, endpoint: str, shm_in: str, shm_out: str,
-                 nbytes: int, on_progress: ProgressHook | None, pid: int = 0, probe_addr: int = 0) -> None:
+                 nbytes: int, on_progress: ProgressHook | None, pid: int = 0, probe_addr: int = 0, *,
+                 parent: "SdmaLink | None" = None, domain: int = 0) -> None:
         self._regions = (SharedRegion.attach(shm_in, nbytes), SharedRegion.attach(shm_out, nbytes))
         self._remote = (self._regions[0].array, self._regions[1].array)
-        super().__init__(rank, peer, channel, endpoint, on_progress)
+        try:
+            super().__init__(rank, peer, channel, endpoint, on_progress, parent=parent, domain=domain)
+        except BaseException:
+            for region in self._regions:
+                region.close()
+            raise
         self.pid = pid
-        self.single_copy = bool(pid and probe_addr and _cma.probe(pid, probe_addr))
+        if parent is not None:
+            self.single_copy = parent.single_copy  # the same process: probed already
+        else:
+            self.single_copy = bool(pid and probe_addr and _cma.probe(pid, probe_addr))
+
+    def describe_buffers(self, buffers: CclBuffers) -> dict[str, Any]:
+        return {"buffsize": buffers.nbytes, "shm": [buffers.ccl_in.name, buffers.ccl_out.name]}
+
+    def child(self, domain: int, rank: int, peer: int, buffers: CclBuffers, peer_buffers: dict[str, Any],
+              on_progress: ProgressHook | None) -> "SdmaLink":
+        try:
+            shm_in, shm_out = (str(name) for name in peer_buffers["shm"])
+            nbytes = int(peer_buffers["buffsize"])
+        except (KeyError, TypeError, ValueError):
+            raise TransportError(f"sdma link {self.rank}->{self.peer}: the peer's buffers for a sub-communicator "
+                                 f"are not in shared memory ({peer_buffers!r})") from None
+        return SdmaLink(rank, peer, self.channel, self.endpoint, shm_in, shm_out, nbytes, on_progress, self.pid,
+                        parent=self, domain=domain)
 
     def read(self, dst: np.ndarray, addr: int, run: MemoryRunner) -> "Awaitable[Any] | None":
         self.bytes_received += dst.nbytes
