@@ -140,14 +140,14 @@ def gather_object(obj: Any, root: int = 0) -> "asyncio.Future[list[Any] | None]"
     return default_comm().gather_object(obj, root)
 
 
-async def split(color: int | None, key: int | None = None) -> Comm | None:
+async def split(color: int | None, key: int | None = None, **kw: Any) -> Comm | None:
     """``default_comm().split(color, key)``: a sub-communicator (every rank calls it)."""
-    return await default_comm().split(color, key)
+    return await default_comm().split(color, key, **kw)
 
 
-async def new_group(ranks: Sequence[int]) -> Comm | None:
+async def new_group(ranks: Sequence[int], **kw: Any) -> Comm | None:
     """``default_comm().new_group(ranks)``: a sub-communicator of ``ranks`` (every rank calls it)."""
-    return await default_comm().new_group(ranks)
+    return await default_comm().new_group(ranks, **kw)
 
 
 async def finalize() -> None:

@@ -199,23 +199,26 @@ class Comm(Health, BlockedCollectives, ObjectCollectives, PointToPoint):
         return self._submit(call, empty, empty, None, None, None, timeout=timeout)
 
     # -- sub-communicators -----------------------------------------------------------------
-    async def split(self, color: int | None, key: int | None = None) -> "Comm | None":
+    async def split(self, color: int | None, key: int | None = None, *,
+                    buffsize: int | None = None) -> "Comm | None":
         """A sub-communicator of the ranks that pass the same ``color``, ordered by ``key``
         (default: this rank), then by rank; None where ``color`` is None (MPI_Comm_split).
 
         Every rank of this communicator must call it. The group reuses this communicator's
         connections (no new rendezvous); its collectives have their own sequence numbers and
         CCL buffers, run independently of this communicator's and match only among its members.
+        ``buffsize`` is the bytes of each of its CCL buffers (default: this communicator's);
+        a smaller one makes the group quicker to create and lighter on memory.
         """
-        return await _groups.split(self, color, key)
+        return await _groups.split(self, color, key, buffsize)
 
-    async def new_group(self, ranks: Sequence[int]) -> "Comm | None":
+    async def new_group(self, ranks: Sequence[int], *, buffsize: int | None = None) -> "Comm | None":
         """A sub-communicator of ``ranks`` (its rank i is ``ranks[i]``); None on the other ranks.
 
         Every rank of this communicator must call it with the same ``ranks`` (as
         torch.distributed.new_group); see ``split``.
         """
-        return await _groups.new_group(self, ranks)
+        return await _groups.new_group(self, ranks, buffsize)
 
     # -- plumbing ---------------------------------------------------------------------------
     def _check_open(self) -> None:

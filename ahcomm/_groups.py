@@ -33,6 +33,7 @@ if TYPE_CHECKING:
 
 MAX_DOMAIN = 0xFFFF  # a domain number travels in 16 bits
 SMALL_BUFFERS = 4096  # bytes of CCL_In/CCL_Out of a one-rank group (it never communicates)
+MIN_BUFFSIZE = 1024  # bytes of each CCL buffer of a group, at least (AHCOMM_BUFFSIZE's floor)
 
 
 class Domains:
@@ -68,41 +69,49 @@ def _check_ranks(ranks: Any, size: int) -> tuple[int, ...]:
     return members
 
 
-async def split(parent: "Comm", color: Any, key: Any = None) -> "Comm | None":
+async def split(parent: "Comm", color: Any, key: Any = None, buffsize: int | None = None) -> "Comm | None":
     """The sub-communicator of the parent's ranks that gave the same ``color`` (ordered by
     ``key``, then parent rank); None where ``color`` is None."""
     parent._check_open()
     try:
         color, key = _check_color(color, key, parent.rank)
+        nbytes = _check_buffsize(buffsize, parent)
     except InvalidArgument as exc:  # still take part, so every rank raises it, none hangs
-        return await _create(parent, None, 0, None, str(exc))
-    return await _create(parent, color, key, None)
+        return await _create(parent, None, 0, None, 0, str(exc))
+    return await _create(parent, color, key, None, nbytes)
 
 
-async def new_group(parent: "Comm", ranks: Sequence[int]) -> "Comm | None":
+async def new_group(parent: "Comm", ranks: Sequence[int], buffsize: int | None = None) -> "Comm | None":
     """The sub-communicator of ``ranks`` (group rank i is ``ranks[i]``); None on other ranks.
     Every rank of the parent calls it with the same ``ranks``."""
     parent._check_open()
     try:
         members = _check_ranks(ranks, parent.size)
+        nbytes = _check_buffsize(buffsize, parent)
     except InvalidArgument as exc:
-        return await _create(parent, None, 0, None, str(exc))
+        return await _create(parent, None, 0, None, 0, str(exc))
     mine = members.index(parent.rank) if parent.rank in members else None
-    return await _create(parent, None if mine is None else 0, mine or 0, members)
+    return await _create(parent, None if mine is None else 0, mine or 0, members, nbytes)
 
 
-def _make_buffers(parent: "Comm") -> CclBuffers:
-    own = parent._executor.buffers
-    if own.ccl_in.name:  # same-host peers map our buffers: the group's are in shared memory too
-        return CclBuffers.shared(own.nbytes, f"r{parent.world_ranks[parent.rank]}g")
-    return CclBuffers.local(own.nbytes)
+def _check_buffsize(buffsize: Any, parent: "Comm") -> int:
+    if buffsize is None:
+        return parent._executor.buffers.nbytes
+    if not isinstance(buffsize, (int, np.integer)) or isinstance(buffsize, bool) or buffsize < MIN_BUFFSIZE:
+        raise InvalidArgument(f"split: buffsize {buffsize!r} must be an int of at least {MIN_BUFFSIZE} bytes")
+    return int(buffsize)
+
+
+def _make_buffers(parent: "Comm", nbytes: int) -> CclBuffers:
+    if parent._executor.buffers.ccl_in.name:  # same-host peers map our buffers: the group's are shared too
+        return CclBuffers.shared(nbytes, f"r{parent.world_ranks[parent.rank]}g")
+    return CclBuffers.local(nbytes)
 
 
 async def _create(parent: "Comm", color: int | None, key: int, members: tuple[int, ...] | None,
-                  problem: str | None = None) -> "Comm | None":
+                  nbytes: int, problem: str | None = None) -> "Comm | None":
     links = parent._executor.links
-    any_link: Link | None = next(iter(links.values()), None)
-    buffers = _make_buffers(parent) if color is not None and any_link is not None else None
+    buffers = _make_buffers(parent, nbytes) if color is not None and links else None
     opened: dict[int, Link] = {}
     try:
         about: dict[str, Any] = {}
@@ -110,7 +119,7 @@ async def _create(parent: "Comm", color: int | None, key: int, members: tuple[in
             for link in {type(link): link for link in links.values()}.values():
                 about.update(link.describe_buffers(buffers))
         rows = await parent.all_gather_object([color, key, parent._domains.next, about,
-                                               members and list(members), problem])
+                                               members and list(members), problem, nbytes])
         for p, row in enumerate(rows):  # a bad argument anywhere fails every rank alike
             if row[5]:
                 raise InvalidArgument(row[5] if p == parent.rank else f"{row[5]} (on rank {p})")
@@ -120,6 +129,9 @@ async def _create(parent: "Comm", color: int | None, key: int, members: tuple[in
         parent._domains.next = domain + 1
         if members is not None or any(row[4] for row in rows):
             _agree(rows, members)
+        if len({row[6] for row in rows if row[0] == color}) > 1:  # a group's ranks slice calls alike
+            sizes = {p: row[6] for p, row in enumerate(rows) if row[0] == color}
+            raise InvalidArgument(f"split: the members of group {color} asked for different buffsize: {sizes}")
         if color is None:
             await parent.barrier()
             return None

@@ -70,10 +70,13 @@ async def main() -> None:
                                                   ahcomm.P2POp("send", x, peer)])
             np.testing.assert_array_equal(back, np.arange(100_000, dtype=np.float32) * (pair.world_ranks[peer] + 1))
         await pair.close()
-    nested = await group.split(group.rank // 2)  # groups of the group
+    nested = await group.split(group.rank // 2, buffsize=16384)  # groups of the group, small buffers
     assert nested is not None
     got = await nested.all_gather(np.array([r]))
     assert list(got) == list(nested.world_ranks), (got, nested.world_ranks)
+    big = np.arange(50_000, dtype=np.float64) + r  # 400 KB through 16 KB buffers
+    np.testing.assert_array_equal(await nested.all_reduce(big),
+                                  np.arange(50_000, dtype=np.float64) * nested.size + sum(nested.world_ranks))
     assert open_sockets() == sockets, f"sub-communicators opened sockets: {sockets} -> {open_sockets()}"
     await comm.close()  # closes the groups still open
     assert group.closed and nested.closed

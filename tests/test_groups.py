@@ -61,11 +61,13 @@ async def test_split_runs_every_op_against_numpy(n: int) -> None:
 
 
 async def test_every_algorithm_on_an_uneven_group() -> None:
-    """Every op x every algorithm that can run it, on a group of 5 out of 7 ranks."""
+    """Every op x every algorithm that can run it, on a group of 5 out of 7 ranks whose CCL
+    buffers (buffsize=) are smaller than the parent's."""
     comms = await world(7)
-    groups = await asyncio.gather(*(c.new_group([6, 0, 3, 2, 5]) for c in comms))
+    groups = await asyncio.gather(*(c.new_group([6, 0, 3, 2, 5], buffsize=8192) for c in comms))
     members = [g for g in groups if g is not None]
     assert [g.world_ranks for g in members] == [(6, 0, 3, 2, 5)] * 5
+    assert all(g._executor.buffers.nbytes == 8192 for g in members)
     assert [groups[p] is None for p in range(7)] == [False, True, False, False, True, False, False]
 
     async def member(g: ahcomm.Comm) -> None:
@@ -135,7 +137,8 @@ async def test_abort_of_a_group_reaches_its_members_only() -> None:
     await close_all(comms)
 
 
-@pytest.mark.parametrize("bad", ["color", "key", "ranks_range", "ranks_twice", "ranks_differ"])
+@pytest.mark.parametrize("bad", ["color", "key", "ranks_range", "ranks_twice", "ranks_differ", "buffsize",
+                                 "buffsize_differ"])
 async def test_bad_arguments_raise_on_every_rank(bad: str) -> None:
     comms = await world(4)
 
@@ -149,11 +152,16 @@ async def test_bad_arguments_raise_on_every_rank(bad: str) -> None:
             return c.new_group([0, 4] if r == 3 else [0, 1])
         if bad == "ranks_twice":
             return c.new_group([0, 1, 1])
+        if bad == "buffsize":
+            return c.split(0, buffsize=100 if r == 0 else None)
+        if bad == "buffsize_differ":
+            return c.new_group([0, 1, 2, 3], buffsize=4096 * (1 + r % 2))
         return c.new_group([0, 1] if r != 2 else [1, 0])
 
     results = await asyncio.wait_for(asyncio.gather(*(call(c) for c in comms), return_exceptions=True), 10)
     words = {"color": "color -1", "key": "key 'x'", "ranks_range": "rank 4 is out of range",
-             "ranks_twice": "twice", "ranks_differ": "differ"}[bad]
+             "ranks_twice": "twice", "ranks_differ": "differ", "buffsize": "buffsize 100",
+             "buffsize_differ": "different buffsize"}[bad]
     for err in results:
         assert isinstance(err, ahcomm.InvalidArgument), err
         assert words in str(err), err
