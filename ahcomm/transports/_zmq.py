@@ -304,7 +304,8 @@ class Channel:
         AUTH.unregister(self.domain)
 
     def stats(self) -> dict[str, int]:
-        return {"rejected_messages": self.rejected, "rejected_handshakes": self.rejected_handshakes}
+        return {"rejected_messages": self.rejected, "rejected_handshakes": self.rejected_handshakes,
+                "late_messages": self.late}
 
 
 class ZmqLink(Link):
@@ -587,7 +588,7 @@ class ZmqLink(Link):
         out = super().stats()
         state = ("lost" if self.lost_reason is not None else "closed by peer" if self.peer_closed
                  else "up" if self.up else "connecting")
-        out.update(state=state, rejected_messages=self.rejected,
+        out.update(state=state, domain=self.domain, rejected_messages=self.rejected,
                    endpoint_rejected_messages=self.channel.rejected,
                    endpoint_rejected_handshakes=self.channel.rejected_handshakes)
         return out
