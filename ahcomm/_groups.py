@@ -26,12 +26,11 @@ from ._buffers import CclBuffers
 from ._errors import InvalidArgument, UsageError
 from .algorithms._executor import Progress
 from .algorithms.base import Topology
-from .transports.base import Link
+from .transports.base import MAX_DOMAIN, Link
 
 if TYPE_CHECKING:
     from ._comm import Comm
 
-MAX_DOMAIN = 0xFFFF  # a domain number travels in 16 bits
 SMALL_BUFFERS = 4096  # bytes of CCL_In/CCL_Out of a one-rank group (it never communicates)
 MIN_BUFFSIZE = 1024  # bytes of each CCL buffer of a group, at least (AHCOMM_BUFFSIZE's floor)
 

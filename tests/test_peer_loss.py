@@ -22,7 +22,7 @@ import pytest
 
 from ahcomm import PeerFailure
 from ahcomm._buffers import CclBuffers
-from ahcomm.transports import _zmq
+from ahcomm.transports import _wire, _zmq
 from ahcomm.transports._auth import Credentials
 from ahcomm.transports._zmq import Channel
 from ahcomm.transports.base import Signal

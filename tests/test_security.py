@@ -31,9 +31,10 @@ from ahcomm._buffers import CclBuffers
 from ahcomm._config import Config
 from ahcomm._rendezvous import MAX_MESSAGE, RendezvousStats, register, serve
 from ahcomm.run import free_port
-from ahcomm.transports import _zmq
+from ahcomm.transports import _wire, _zmq
 from ahcomm.transports._auth import Credentials, async_context, context
-from ahcomm.transports._zmq import HEADER, RANK_ID, Channel
+from ahcomm.transports._wire import HEADER, RANK_ID
+from ahcomm.transports._zmq import Channel
 from ahcomm.transports.base import Signal
 from ahcomm.transports.rdma import RdmaLink
 
@@ -175,7 +176,7 @@ async def test_peers_without_the_secret_are_refused_in_the_handshake(encrypt: bo
     ch = channel_of(comms[0])
     wrong = Credentials.derive("another-secret-0123456789abcdef", encrypt=encrypt)
     other_mechanism = Credentials.derive(SECRET, encrypt=not encrypt)  # the right secret, the wrong mechanism
-    header = HEADER.pack(_zmq.MSG_SIGNAL, 0, 0, 0, 0, 0, 0)
+    header = HEADER.pack(_wire.MSG_SIGNAL, 0, 0, 0, 0, 0, 0)
     attackers = []
 
     def knows_the_server_key(sock: zmq.Socket[Any]) -> None:  # CURVE: a client of its own (reaches ZAP)
@@ -273,7 +274,7 @@ async def test_fuzzed_link_messages_never_hurt_a_live_rank() -> None:
         sent += name != "real"
         if i % 50 == 0:
             await asyncio.sleep(0)
-    socks["stranger"].send_multipart([HEADER.pack(6, 0, 0, 64, 0, 0, 0), b"x" * (_zmq.FRAME_LIMIT + 8192)])  # too big
+    socks["stranger"].send_multipart([HEADER.pack(6, 0, 0, 64, 0, 0, 0), b"x" * (_wire.FRAME_LIMIT + 8192)])  # too big
     await until(lambda: ch.rejected - before_rejected >= sent)
     assert time.monotonic() - start < 20
     assert ch.rejected - before_rejected == sent  # every stranger's message counted; none from the duplicate
@@ -297,7 +298,7 @@ async def _channel_with_peer(max_message: int = 4096) -> tuple[Channel, RdmaLink
     links = [RdmaLink(0, peer, ch, nowhere, None) for peer in (1, 2)]
     ch.start()
     as1, as2 = (dealer(ch.endpoints["ipc"], creds, RANK_ID.pack(p)) for p in (1, 2))
-    as1.send(HEADER.pack(_zmq.MSG_SIGNAL, Signal.ACK, 9, 0, 0, 0, 0))
+    as1.send(HEADER.pack(_wire.MSG_SIGNAL, Signal.ACK, 9, 0, 0, 0, 0))
     await asyncio.wait_for(links[0].wait(Signal.ACK, 9, 0), 5)  # the path works
     return ch, links[0], links[1], as1, as2
 
@@ -310,29 +311,29 @@ MALFORMED = {
     "truncated header": [_h(1)[:23]],
     "overlong header": [_h(1) + b"\0"],
     "unknown kind": [_h(200)],
-    "unknown signal": [_h(_zmq.MSG_SIGNAL, a=7)],
-    "signal with extra frames": [_h(_zmq.MSG_SIGNAL), b"x"],
-    "progress with extra frames": [_h(_zmq.MSG_PROGRESS), b"x"],
-    "put outside the buffer": [_h(_zmq.MSG_PUT, nbytes=16, offset=(1 << 16) - 8), b"x" * 16],
-    "put at a huge offset": [_h(_zmq.MSG_PUT, nbytes=16, offset=(1 << 64) - 1), b"x" * 16],
-    "put bigger than a frame": [_h(_zmq.MSG_PUT, nbytes=(1 << 32) - 1), b"x"],
-    "put into an unknown buffer": [_h(_zmq.MSG_PUT, a=5, nbytes=4), b"xxxx"],
-    "put without data": [_h(_zmq.MSG_PUT, nbytes=4)],
-    "put shorter than said": [_h(_zmq.MSG_PUT, nbytes=64), b"x" * 10],
-    "put with extra frames": [_h(_zmq.MSG_PUT, nbytes=4), b"xxxx", b"y"],
-    "data ack for no put": [_h(_zmq.MSG_DATA_ACK)],
-    "message over AHCOMM_MAX_MESSAGE": [_h(_zmq.MSG_P2P, nbytes=1 << 20), b"m", b"x"],
-    "message of another size": [_h(_zmq.MSG_P2P, nbytes=100), b"m", b"x" * 10],
-    "message without payload": [_h(_zmq.MSG_P2P, nbytes=0), b"m"],
-    "message without metadata": [_h(_zmq.MSG_P2P, nbytes=0)],
-    "message with huge metadata": [_h(_zmq.MSG_P2P, nbytes=1), b"m" * 5000, b"x"],
-    "message in too many frames": [_h(_zmq.MSG_P2P, nbytes=3), b"m", b"x", b"y", b"z"],
-    "control over MAX_CONTROL": [_h(_zmq.MSG_CONTROL, nbytes=1 << 20), b"x"],
-    "control of another size": [_h(_zmq.MSG_CONTROL, nbytes=10), b"x"],
-    "control without payload": [_h(_zmq.MSG_CONTROL, nbytes=0)],
-    "abort with a huge reason": [_h(_zmq.MSG_ABORT, nbytes=4096), b"r" * 4096],
-    "abort without reason": [_h(_zmq.MSG_ABORT)],
-    "goodbye with extra frames": [_h(_zmq.MSG_BYE), b"x"],
+    "unknown signal": [_h(_wire.MSG_SIGNAL, a=7)],
+    "signal with extra frames": [_h(_wire.MSG_SIGNAL), b"x"],
+    "progress with extra frames": [_h(_wire.MSG_PROGRESS), b"x"],
+    "put outside the buffer": [_h(_wire.MSG_PUT, nbytes=16, offset=(1 << 16) - 8), b"x" * 16],
+    "put at a huge offset": [_h(_wire.MSG_PUT, nbytes=16, offset=(1 << 64) - 1), b"x" * 16],
+    "put bigger than a frame": [_h(_wire.MSG_PUT, nbytes=(1 << 32) - 1), b"x"],
+    "put into an unknown buffer": [_h(_wire.MSG_PUT, a=5, nbytes=4), b"xxxx"],
+    "put without data": [_h(_wire.MSG_PUT, nbytes=4)],
+    "put shorter than said": [_h(_wire.MSG_PUT, nbytes=64), b"x" * 10],
+    "put with extra frames": [_h(_wire.MSG_PUT, nbytes=4), b"xxxx", b"y"],
+    "data ack for no put": [_h(_wire.MSG_DATA_ACK)],
+    "message over AHCOMM_MAX_MESSAGE": [_h(_wire.MSG_P2P, nbytes=1 << 20), b"m", b"x"],
+    "message of another size": [_h(_wire.MSG_P2P, nbytes=100), b"m", b"x" * 10],
+    "message without payload": [_h(_wire.MSG_P2P, nbytes=0), b"m"],
+    "message without metadata": [_h(_wire.MSG_P2P, nbytes=0)],
+    "message with huge metadata": [_h(_wire.MSG_P2P, nbytes=1), b"m" * 5000, b"x"],
+    "message in too many frames": [_h(_wire.MSG_P2P, nbytes=3), b"m", b"x", b"y", b"z"],
+    "control over MAX_CONTROL": [_h(_wire.MSG_CONTROL, nbytes=1 << 20), b"x"],
+    "control of another size": [_h(_wire.MSG_CONTROL, nbytes=10), b"x"],
+    "control without payload": [_h(_wire.MSG_CONTROL, nbytes=0)],
+    "abort with a huge reason": [_h(_wire.MSG_ABORT, nbytes=4096), b"r" * 4096],
+    "abort without reason": [_h(_wire.MSG_ABORT)],
+    "goodbye with extra frames": [_h(_wire.MSG_BYE), b"x"],
 }
 
 
@@ -345,7 +346,7 @@ async def test_a_malformed_message_from_a_peer_fails_only_its_link(case: str) ->
         await asyncio.wait_for(waiter, 5)
     assert (ch.rejected, link1.rejected) == (1, 1), info.value
     assert link1.stats()["rejected_messages"] == 1
-    as2.send(_h(_zmq.MSG_SIGNAL, Signal.DATA, 3, 0, 0, 0))  # the reader goes on; other links are untouched
+    as2.send(_h(_wire.MSG_SIGNAL, Signal.DATA, 3, 0, 0, 0))  # the reader goes on; other links are untouched
     await asyncio.wait_for(link2.wait(Signal.DATA, 3, 0), 5)
     assert link2._error is None
     for sock in (as1, as2):
@@ -355,7 +356,7 @@ async def test_a_malformed_message_from_a_peer_fails_only_its_link(case: str) ->
 
 async def test_messages_travel_in_bounded_frames_and_are_capped() -> None:
     comms = await job(transport="rdma", max_message=16 << 20)
-    big = np.arange(3 * _zmq.FRAME_LIMIT // 8 + 5, dtype=np.float64)  # 12 MiB + 40 B: four frames
+    big = np.arange(3 * _wire.FRAME_LIMIT // 8 + 5, dtype=np.float64)  # 12 MiB + 40 B: four frames
     _, got = await asyncio.wait_for(asyncio.gather(comms[0].send(big, 1), comms[1].recv(0)), 30)
     np.testing.assert_array_equal(got, big)
     with pytest.raises(TransportError, match="AHCOMM_MAX_MESSAGE"):
@@ -455,7 +456,7 @@ import asyncio, os, random, struct, sys, time
 import numpy as np, zmq
 import ahcomm
 from ahcomm.transports._auth import Credentials, context
-from ahcomm.transports._zmq import HEADER, RANK_ID
+from ahcomm.transports._wire import HEADER, RANK_ID
 
 def rss():
     return int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")

@@ -3,7 +3,8 @@
 Each rank binds one ROUTER (on ipc for peers on its host, on tcp for the others) and
 opens one DEALER per peer whose identity is the sender's rank. Incoming messages are
 drained by a reader callback on the ROUTER's file descriptor: no future per message, no
-polling thread, no busy loop. Every message starts with a fixed 24-byte header.
+polling thread, no busy loop. Every message starts with a fixed 26-byte header (``_wire``);
+its domain field lets sub-communicators share the connection (``ZmqLink`` child links).
 
 Security and robustness (see ``_auth`` for the handshake):
 
@@ -33,7 +34,6 @@ import asyncio
 import logging
 import os
 import secrets
-import struct
 import time
 from abc import abstractmethod
 from typing import Any, Callable
@@ -43,24 +43,12 @@ import zmq
 
 from .._buffers import CclBuffers
 from .._errors import ConnectError, PeerFailure, TransportError
-from ._auth import AUTH, HANDSHAKE_FAILED, Credentials, context, fd, readable
-from .base import BUFFER_NAMES, MAX_CONTROL, Link, ProgressHook
+from ._auth import AUTH, HANDSHAKE_FAILED, Credentials, context
+from ._wire import (COPY_THRESHOLD, DEALER_EVENTS, FRAME_LIMIT, HEADER, MAX_META, MAX_MESSAGE_LIMIT, MAX_REASON,
+                    MAX_SIGNAL, MSG_ABORT, MSG_BYE, MSG_CONTROL, MSG_P2P, MSG_P2P_ACK, MSG_PROGRESS, MSG_SIGNAL,
+                    RANK_ID, ROUTER_EVENTS, WIRE_SLACK, Malformed, Monitor, buffer_name, frame, last)
+from .base import MAX_CONTROL, Link, ProgressHook
 
-# kind, signal-or-buffer, index, nbytes, seq, offset, domain (a signal's value travels as its
-# offset, the fingerprint of the sender's call as its nbytes; domain 0 is the communicator the
-# connection was made for, others its sub-communicators, see ``ZmqLink.child``)
-HEADER = struct.Struct("<BBHIqQH")
-MAX_DOMAIN = 0xFFFF
-MSG_SIGNAL, MSG_PUT, MSG_DATA_ACK, MSG_PROGRESS, MSG_ABORT, MSG_P2P, MSG_P2P_ACK, MSG_CONTROL = 1, 2, 3, 4, 5, 6, 7, 8
-MSG_BYE = 9  # the sender closed its communicator: nothing more will come from it
-MAX_SIGNAL = 2  # Signal.DATA_ACK
-MAX_REASON = 1024
-MAX_META = 4096  # bytes of a point-to-point message's metadata frame
-RANK_ID = struct.Struct("<I")
-COPY_THRESHOLD = 64 * 1024  # frames at least this big are sent zero-copy
-FRAME_LIMIT = 4 << 20  # the largest frame a link sends (an rdma put piece, a piece of a message)
-WIRE_SLACK = 4096  # CURVE wraps each frame in a command a few dozen bytes longer
-MAX_MESSAGE_LIMIT = 0xFFFFFFFF  # the header's nbytes field
 DEFAULT_MAX_MESSAGE = 1 << 30  # AHCOMM_MAX_MESSAGE default: bytes of one point-to-point message
 LOSS_GRACE = 0.5  # seconds a disconnected peer has for its goodbye to arrive before it counts as lost
 BYE_LINGER_MS = 500  # a closing link's last messages (its goodbye) may still leave for this long
@@ -69,76 +57,9 @@ LOG_EVERY = 10.0  # seconds between two warnings about messages from one identit
 log = logging.getLogger("ahcomm.transport")
 security_log = logging.getLogger("ahcomm.security")
 
-_DEALER_EVENTS = int(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED) | sum(HANDSHAKE_FAILED)
-_ROUTER_EVENTS = int(zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
-_EVENT = struct.Struct("=hi")
-
 
 def _context() -> zmq.Context[Any]:
     return context()
-
-
-class Malformed(TransportError):
-    """A message that breaks the link protocol; it is dropped and counted, never acted on."""
-
-
-def _frame(sock: zmq.Socket[Any], limit: int, what: str) -> zmq.Frame:
-    """The next frame of the current message, which must exist and hold at most ``limit`` bytes."""
-    if not sock.getsockopt(zmq.RCVMORE):
-        raise Malformed(f"{what} is missing")
-    frame: zmq.Frame = sock.recv(zmq.NOBLOCK, copy=False)
-    if len(frame) > limit:
-        raise Malformed(f"{what} of {len(frame)} bytes (at most {limit})")
-    return frame
-
-
-def _last(sock: zmq.Socket[Any], what: str) -> None:
-    """The current message must have no frames left."""
-    if sock.getsockopt(zmq.RCVMORE):
-        raise Malformed(f"{what} with extra frames")
-
-
-class _Monitor:
-    """A socket's monitor events, read on the event loop (a reader on the PAIR's descriptor)."""
-
-    def __init__(self, sock: zmq.Socket[Any], events: int, handler: Callable[[int, int], None]) -> None:
-        self.owner = sock
-        self.pair: zmq.Socket[Any] = sock.get_monitor_socket(events)
-        self.pair.setsockopt(zmq.LINGER, 0)
-        self.handler = handler
-        self._loop: asyncio.AbstractEventLoop | None = None
-
-    def start(self, loop: asyncio.AbstractEventLoop) -> None:
-        if self._loop is None and not self.pair.closed:
-            loop.add_reader(fd(self.pair), self._on_readable)
-            self._loop = loop
-            self._on_readable()  # events from before the reader was installed
-
-    def _on_readable(self) -> None:
-        pair = self.pair
-        while readable(pair):
-            try:
-                frames = pair.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                break
-            if len(frames[0]) == _EVENT.size:
-                event, value = _EVENT.unpack(frames[0])
-                self.handler(event, value)
-
-    def stop(self) -> None:
-        if self._loop is not None and not self.pair.closed:
-            try:
-                self._loop.remove_reader(fd(self.pair))
-            except Exception:  # noqa: BLE001 - the loop may be closed already
-                pass
-        self._loop = None
-        if not self.owner.closed:
-            try:
-                self.owner.disable_monitor()
-            except zmq.ZMQError:
-                pass
-        if not self.pair.closed:
-            self.pair.close(0)
 
 
 class Channel:
@@ -170,7 +91,7 @@ class Channel:
         self.router.setsockopt(zmq.RCVHWM, 0)
         self.router.setsockopt(zmq.MAXMSGSIZE, FRAME_LIMIT + WIRE_SLACK)
         self.creds.server(self.router, self.domain)
-        self._monitor = _Monitor(self.router, _ROUTER_EVENTS, self._on_router_event)
+        self._monitor = Monitor(self.router, ROUTER_EVENTS, self._on_router_event)
         self.endpoints: dict[str, str] = {}
         try:
             if ipc:
@@ -195,7 +116,7 @@ class Channel:
         self.domain.refused(None, HANDSHAKE_FAILED.get(event, "the handshake failed"))
 
     def dealer(self, endpoint: str, on_event: Callable[[int, int], None] | None = None
-               ) -> tuple[zmq.Socket[Any], _Monitor | None]:
+               ) -> tuple[zmq.Socket[Any], Monitor | None]:
         """A DEALER to ``endpoint`` with our identity and credentials (and a monitor, if asked)."""
         sock: zmq.Socket[Any] = _context().socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
@@ -208,7 +129,7 @@ class Channel:
             sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 3 * ivl)
             sock.setsockopt(zmq.HEARTBEAT_TTL, min(3 * ivl, 6_553_500))
         self.creds.client(sock)
-        monitor = _Monitor(sock, _DEALER_EVENTS, on_event) if on_event is not None else None  # before connect
+        monitor = Monitor(sock, DEALER_EVENTS, on_event) if on_event is not None else None  # before connect
         sock.connect(endpoint)
         return sock, monitor
 
@@ -497,32 +418,32 @@ class ZmqLink(Link):
         if kind == MSG_SIGNAL:
             if a > MAX_SIGNAL:
                 raise Malformed(f"unknown signal {a}")
-            _last(sock, "a signal")
+            last(sock, "a signal")
             self.deliver(a, index, seq, offset, nbytes)
         elif kind == MSG_PROGRESS:
-            _last(sock, "a progress message")
+            last(sock, "a progress message")
             self.progress(seq)
         elif kind == MSG_ABORT:
-            reason = _frame(sock, MAX_REASON, "an abort's reason")
-            _last(sock, "an abort")
+            reason = frame(sock, MAX_REASON, "an abort's reason")
+            last(sock, "an abort")
             self.peer_aborted(bytes(reason.bytes).decode(errors="replace"))
         elif kind == MSG_CONTROL:
             if nbytes > MAX_CONTROL:
                 raise Malformed(f"a control message of {nbytes} bytes (at most {MAX_CONTROL})")
-            payload = _frame(sock, MAX_CONTROL, "a control message's payload")
+            payload = frame(sock, MAX_CONTROL, "a control message's payload")
             if len(payload) != nbytes:
                 raise Malformed(f"a control message of {len(payload)} bytes, header said {nbytes}")
-            _last(sock, "a control message")
+            last(sock, "a control message")
             self.control(payload.bytes)
         elif kind == MSG_P2P:
             self._on_p2p(index, seq, nbytes, sock)
         elif kind == MSG_P2P_ACK:
-            _last(sock, "a message acknowledgement")
+            last(sock, "a message acknowledgement")
             done = self._p2p_sent.pop((index, seq), None)
             if done is not None and not done.done():
                 done.set_result(None)
         elif kind == MSG_BYE:
-            _last(sock, "a goodbye")
+            last(sock, "a goodbye")
             self._peer_said_goodbye()
         else:
             self.on_data_message(kind, a, index, nbytes, seq, offset, sock)
@@ -531,13 +452,13 @@ class ZmqLink(Link):
         limit = self.channel.max_message
         if nbytes > limit:
             raise Malformed(f"a message of {nbytes} bytes (at most {limit}, AHCOMM_MAX_MESSAGE)")
-        meta = _frame(sock, MAX_META, "a message's metadata")
+        meta = frame(sock, MAX_META, "a message's metadata")
         pieces: list[zmq.Frame] = []
         total, most = 0, nbytes // FRAME_LIMIT + 1
         while sock.getsockopt(zmq.RCVMORE):
             if len(pieces) == most:
                 raise Malformed(f"a message of {nbytes} bytes in more than {most} frames")
-            piece = _frame(sock, FRAME_LIMIT, "a piece of a message")
+            piece = frame(sock, FRAME_LIMIT, "a piece of a message")
             total += len(piece)
             pieces.append(piece)
         if not pieces or total != nbytes:
@@ -592,9 +513,3 @@ class ZmqLink(Link):
                    endpoint_rejected_messages=self.channel.rejected,
                    endpoint_rejected_handshakes=self.channel.rejected_handshakes)
         return out
-
-
-def buffer_name(buf_id: int) -> str:
-    if buf_id >= len(BUFFER_NAMES):
-        raise Malformed(f"unknown buffer id {buf_id}")
-    return BUFFER_NAMES[buf_id]

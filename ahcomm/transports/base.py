@@ -53,6 +53,7 @@ AbortHook = Callable[[int, str], None]  # (peer, reason)
 FingerprintHook = Callable[[int, int, int], None]  # (peer, seq, fingerprint of the peer's call)
 ControlHook = Callable[[int, bytes], None]  # (peer, payload)
 MAX_CONTROL = 64 * 1024  # bytes of one control message
+MAX_DOMAIN = 0xFFFF  # the largest domain number of a sub-communicator's links (``Link.child``)
 MessageKey = tuple[int, int]  # (user tag, per-pair sequence number) of a point-to-point message
 Message = tuple[bytes, Any]  # (metadata, bytes-like payload)
 

@@ -17,7 +17,8 @@ import numpy as np
 import zmq
 
 from .._buffers import CclBuffers
-from ._zmq import FRAME_LIMIT, MSG_DATA_ACK, MSG_PUT, Channel, Malformed, ZmqLink, buffer_name
+from ._wire import FRAME_LIMIT, MSG_DATA_ACK, MSG_PUT, Malformed, buffer_name
+from ._zmq import Channel, ZmqLink
 from .base import BUFFER_IDS, MemoryRunner, ProgressHook, as_bytes
 
 PUT_CHUNK = FRAME_LIMIT

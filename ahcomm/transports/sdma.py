@@ -16,7 +16,8 @@ import zmq
 from .._buffers import CclBuffers, SharedRegion
 from .._errors import PeerFailure, TransportError
 from . import _cma
-from ._zmq import Channel, Malformed, ZmqLink
+from ._wire import Malformed
+from ._zmq import Channel, ZmqLink
 from .base import MappedAccess, MemoryRunner, ProgressHook
 
 
