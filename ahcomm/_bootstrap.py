@@ -130,6 +130,9 @@ async def create(config: Config | None = None, *, rank: int | None = None, world
                 on_close=on_close)
     if size > 1:
         await _agree_single_copy(comm, cfg.single_copy and all(link.single_copy for link in links.values()))
+    from . import _trace  # AHCOMM_TRACE: this rank's clock offset to rank 0's, for merged timelines
+    if _trace.tracer_of(comm) is not None:
+        await _trace.estimate_offsets(comm)
     return comm
 
 

@@ -16,6 +16,11 @@ collective. Such a stream must be synchronized for its queued tasks to run.
 
 A failed task puts the stream into a failed state: later tasks are skipped until the next
 ``synchronize()``, which raises the error and leaves the stream usable again.
+
+Tracing (``AHCOMM_TRACE``): a stream made with a ``tracer`` wraps each task so that its span
+is recorded (``ahcomm._trace``); ``submit`` is then replaced on the instance, so a stream
+without one pays one ``is None`` test per typed task (copy, reduce, post, wait, call) and
+nothing else.
 """
 
 from __future__ import annotations
@@ -23,11 +28,14 @@ from __future__ import annotations
 import asyncio
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Awaitable, Callable
+from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
 import numpy as np
 
 from ._notify import Notify
+
+if TYPE_CHECKING:
+    from ._trace import Tracer
 
 ENGINE_THRESHOLD = 256 * 1024
 
@@ -37,7 +45,7 @@ TaskFn = Callable[[], "Awaitable[Any] | None"]
 class Stream:
     """An ordered queue of tasks executed by one asyncio task."""
 
-    def __init__(self, name: str, *, inline: bool = False) -> None:
+    def __init__(self, name: str, *, inline: bool = False, tracer: Tracer | None = None) -> None:
         self.name = name
         self.inline = inline
         self._queue: deque[tuple[TaskFn, asyncio.Future[None] | None]] = deque()
@@ -48,6 +56,9 @@ class Stream:
         self._closed = False
         self._busy = False  # the runner is awaiting a task
         self.on_error: Callable[[BaseException], None] | None = None  # told when a task fails
+        self.tracer = tracer  # records each task's span (AHCOMM_TRACE); None: off
+        if tracer is not None:
+            self.submit = tracer.submitter(self, self.submit)  # type: ignore[method-assign, assignment]
 
     # -- submission -------------------------------------------------------------------
     def submit(self, fn: TaskFn) -> None:
@@ -76,22 +87,37 @@ class Stream:
 
     def copy(self, dst: np.ndarray, src: np.ndarray) -> None:
         """dst[...] = src (same shape and dtype)."""
-        self.submit(lambda: self.memory(np.copyto, dst, src))
+        task: TaskFn = lambda: self.memory(np.copyto, dst, src)
+        if self.tracer is not None:
+            task = self.tracer.task(self, "copy", task, nbytes=dst.nbytes)
+        self.submit(task)
 
     def reduce(self, ufunc: np.ufunc, dst: np.ndarray, a: np.ndarray, b: np.ndarray) -> None:
         """dst = ufunc(a, b); dst may alias a or b."""
-        self.submit(lambda: self.memory(ufunc, a, b, out=dst))
+        task: TaskFn = lambda: self.memory(ufunc, a, b, out=dst)
+        if self.tracer is not None:
+            task = self.tracer.task(self, "reduce", task, nbytes=dst.nbytes)
+        self.submit(task)
 
     def post(self, notify: Notify) -> None:
-        self.submit(lambda: notify.post())
+        task: TaskFn = lambda: notify.post()
+        if self.tracer is not None:
+            task = self.tracer.task(self, "post", task, detail=notify.name)
+        self.submit(task)
 
     def wait(self, notify: Notify) -> None:
-        self.submit(lambda: None if notify.try_wait() else notify.wait())
+        task: TaskFn = lambda: None if notify.try_wait() else notify.wait()
+        if self.tracer is not None:
+            task = self.tracer.task(self, "wait", task, detail=notify.name)
+        self.submit(task)
 
     def call(self, fn: Callable[[], Any]) -> None:
         """Run an arbitrary synchronous callable in stream order."""
         def task() -> None:
             fn()
+        if self.tracer is not None:
+            self.submit(self.tracer.task(self, "call", task, detail=getattr(fn, "__qualname__", None)))
+            return
         self.submit(task)
 
     # -- execution ----------------------------------------------------------------------

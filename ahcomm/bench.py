@@ -3,6 +3,7 @@
     ahcomm-bench -n 4 all_reduce -b 8 -e 64M -f 4 -c 1
 
     ahcomm-bench -n 4 all_gather --algorithm all     (every algorithm, and the selector's pick)
+    ahcomm-bench -n 4 all_reduce --algorithm all --plot busbw.png   (busbw vs size per algorithm)
     ahcomm-bench calibrate                           (measure the cost model's numbers)
 
 Columns: size, count, type, redop, root, time (us), algbw, busbw (GB/s), #wrong. ``size``
@@ -251,7 +252,20 @@ async def run_rank(args: argparse.Namespace) -> list[dict[str, Any]]:
             with open(args.json, "w") as f:
                 json.dump({"tool": "ahcomm", "np": comm.size, "inplace": args.inplace, "rows": rows,
                            "selection": table}, f, indent=1)
+        if comm.rank == 0 and args.plot:
+            plot(rows, args, comm.size)
     return rows
+
+
+def plot(rows: list[dict[str, Any]], args: argparse.Namespace, nranks: int) -> None:
+    """busbw vs size per algorithm (and the peers' from ``--plot-peers``) into ``args.plot``."""
+    from ._plot import busbw
+
+    peers = None
+    if args.plot_peers:
+        with open(args.plot_peers) as f:
+            peers = json.load(f)
+    print(f"# plot: {busbw(rows, args.plot, nranks=nranks, peers=peers)}", flush=True)
 
 
 # What the calibration times on 2 ranks, per link kind: (algorithm, op, bytes per rank's block).
@@ -416,6 +430,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--algorithm", default=None,
                    help="force an algorithm (see ahcomm.algorithms.names), or 'all': each one, then the selector")
     p.add_argument("--json", default=None, help="rank 0 writes the rows here")
+    p.add_argument("--plot", default=None, metavar="PNG",
+                   help="rank 0 draws busbw vs size per algorithm here (needs ahcomm[plot])")
+    p.add_argument("--plot-peers", default=None, metavar="JSON",
+                   help="with --plot: also draw gloo's and OpenMPI's curves from benchmarks/compare.py's results "
+                        "(e.g. benchmarks/results/latest.json)")
     return p
 
 
@@ -428,6 +447,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.op == "_calibrate":
         asyncio.run(calibrate_rank(args.json))
         return
+    if args.plot:
+        from ._plot import require
+
+        require()  # before any rank starts: a missing matplotlib says so at once
+        if args.plot_peers and not os.path.isfile(args.plot_peers):
+            sys.exit(f"ahcomm-bench: --plot-peers {args.plot_peers}: no such file")
     if "AHCOMM_RANK" not in os.environ and "RANK" not in os.environ and "OMPI_COMM_WORLD_RANK" not in os.environ:
         from .run import launch
 

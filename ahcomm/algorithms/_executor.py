@@ -11,16 +11,18 @@ the others (broadcast, empty calls) the executor tells each peer where it stands
 from __future__ import annotations
 
 import asyncio
-from typing import Any, Callable
+from typing import Any, Awaitable, Callable
 
 import numpy as np
 
 from .._buffers import CclBuffers
 from .._stream import Stream
+from .._trace import Tracer
 from ..transports.base import AbortHook, ControlHook, FingerprintHook, Link
 from .base import ALIGN, WHOLE, Algorithm, Call, Context, Resources, Topology
 
 RESOURCE_CACHE = 256  # entries of the per-communicator resources cache
+Ready = Callable[[int, int], Awaitable[None]]  # ready(lo, hi): src[lo:hi] may be read
 ALL_DEPENDENT = frozenset({"all_reduce", "all_gather", "reduce_scatter", "barrier"})
 
 
@@ -94,7 +96,10 @@ class Executor:
         self.topo = topo
         self.progress = progress
         self.half = buffers.nbytes // 2 // ALIGN * ALIGN
-        self.main = Stream("main", inline=True)
+        self.tracer = Tracer.from_env(rank, size)  # AHCOMM_TRACE; None: off, and nothing is timed
+        if self.tracer is not None:
+            self.run = self.tracer.runner(self.run)  # type: ignore[method-assign, assignment]
+        self.main = Stream("main", inline=True, tracer=self.tracer)
         self.subs: list[Stream] = []
         h = self.half
         # (offset, CCL_In half, CCL_Out half) used by collectives of even and of odd sequence number
@@ -127,14 +132,20 @@ class Executor:
 
     def _substreams(self, count: int) -> list[Stream]:
         while len(self.subs) < count:
-            self.subs.append(Stream(f"sub{len(self.subs)}"))
+            self.subs.append(Stream(f"sub{len(self.subs)}", tracer=self.tracer))
         return self.subs[:count]
 
     async def run(self, call: Call, algorithm: Algorithm, src: np.ndarray, dst: np.ndarray,
-                  ufunc: np.ufunc | None) -> None:
-        """Run ``call``; ``src``/``dst`` are flat, contiguous, of the call's dtype (may be one array)."""
+                  ufunc: np.ufunc | None, *, ready: Ready | None = None) -> None:
+        """Run ``call``; ``src``/``dst`` are flat, contiguous, of the call's dtype (may be one array).
+
+        ``ready(lo, hi)``, if given, is awaited before a slice reads ``src[lo:hi]`` (an input
+        still being copied to the host): slice by slice, so the copy overlaps the first slices.
+        """
         inplace = src is dst
         if self.size == 1 or (call.empty and call.op != "barrier"):
+            if ready is not None:
+                await ready(0, src.size)
             if not inplace and src.size == dst.size:
                 np.copyto(dst, src)
             self._report(call, communicated=False)
@@ -147,6 +158,8 @@ class Executor:
         parity, ccl_in, ccl_out = self._halves[call.seq & 1]
         for a in range(0, max(call.count, 1), step):
             b = min(a + step, call.count)
+            if ready is not None:
+                await ready(*self._reads(call, src, a, b))
             s, d = self._views(call, src, dst, a, b, inplace)
             ctx = Context(call=call, topo=self.topo, links=self.links, src=s, dst=d,
                           ccl_in=ccl_in, ccl_out=ccl_out, half_offset=parity, main=self.main, subs=subs,
@@ -167,6 +180,14 @@ class Executor:
             for link in self.links.values():
                 link.send_progress(call.seq + 1)
 
+    def _reads(self, call: Call, src: np.ndarray, a: int, b: int) -> tuple[int, int]:
+        """The range of ``src`` the slice [a, b) of ``call`` reads (a hull for reduce_scatter's rows)."""
+        if call.op in WHOLE or (a == 0 and b == call.count):
+            return 0, src.size
+        if call.op == "reduce_scatter":
+            return a, (self.size - 1) * call.count + b
+        return a, b
+
     def _views(self, call: Call, src: np.ndarray, dst: np.ndarray, a: int, b: int,
                inplace: bool) -> tuple[np.ndarray, np.ndarray]:
         n, count = self.size, call.count
@@ -182,6 +203,8 @@ class Executor:
     async def close(self) -> None:
         for stream in (self.main, *self.subs):
             await stream.close()
+        if self.tracer is not None:
+            self.tracer.write()
         self._halves = []  # drop our views of the CCL buffers so they can be unmapped
 
     def on_peer_abort(self, handler: Callable[[int, str], None]) -> None:
@@ -226,3 +249,5 @@ class Executor:
             link.fail(error)
         for stream in (self.main, *self.subs):
             stream.abort(error)
+        if self.tracer is not None:  # what ran up to the failure
+            self.tracer.write()

@@ -30,7 +30,7 @@ import numpy as np
 
 from .._dtypes import ReduceOp
 from .._notify import Notify
-from .._stream import Stream
+from .._stream import Stream, TaskFn
 from ..transports.base import Link, Signal
 
 if TYPE_CHECKING:
@@ -177,16 +177,25 @@ class Context:
         """Enqueue: set ``peer``'s flag (signal, index) for this collective, carrying ``value``
         (and the call's fingerprint, which the peer checks against its own call)."""
         link, seq, fp = self.links[peer], self.call.seq, self.fingerprint
-        stream.submit(lambda: link.post(signal, index, seq, value, fp))
+        task: TaskFn = lambda: link.post(signal, index, seq, value, fp)
+        if stream.tracer is not None:
+            task = stream.tracer.task(stream, "post", task, peer=peer, detail=signal, index=index, seq=seq)
+        stream.submit(task)
 
     def wait(self, stream: Stream, peer: int, signal: Signal, index: int = 0) -> None:
         """Enqueue: wait for the flag ``peer`` posts on us."""
-        stream.submit(self.links[peer].notify(signal, index, self.call.seq).wait)
+        task: TaskFn = self.links[peer].notify(signal, index, self.call.seq).wait
+        if stream.tracer is not None:
+            task = stream.tracer.task(stream, "wait", task, peer=peer, detail=signal, index=index, seq=self.call.seq)
+        stream.submit(task)
 
     def put(self, stream: Stream, peer: int, src: np.ndarray, buf: str, offset: int) -> None:
         """Enqueue: write ``src`` into ``peer``'s buffer at ``offset`` within this collective's half."""
         link, seq, at = self.links[peer], self.call.seq, self.half_offset + offset
-        stream.submit(lambda: link.put(src, buf, at, seq, stream.memory))
+        task: TaskFn = lambda: link.put(src, buf, at, seq, stream.memory)
+        if stream.tracer is not None:
+            task = stream.tracer.task(stream, "put", task, nbytes=src.nbytes, peer=peer, seq=seq)
+        stream.submit(task)
 
     def read(self, stream: Stream, peer: int, dst: np.ndarray, signal: Signal, index: int = 0,
              offset: int = 0) -> None:
@@ -195,7 +204,10 @@ class Context:
         The address is looked up when the task runs, so enqueue it after the matching wait.
         """
         link, seq = self.links[peer], self.call.seq
-        stream.submit(lambda: link.read(dst, link.value(signal, index, seq) + offset, stream.memory))
+        task: TaskFn = lambda: link.read(dst, link.value(signal, index, seq) + offset, stream.memory)
+        if stream.tracer is not None:
+            task = stream.tracer.task(stream, "read", task, nbytes=dst.nbytes, peer=peer, seq=seq)
+        stream.submit(task)
 
     def posted(self, peer: int, signal: Signal, index: int = 0) -> int:
         """The value ``peer`` posted with (signal, index) in this collective (after the wait)."""
