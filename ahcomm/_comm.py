@@ -44,7 +44,7 @@ import numpy as np
 from . import _flight
 from ._buffers import CclBuffers
 from ._collectives import BlockedCollectives, flat_view
-from ._devices import device_aware
+from ._devices import device_aware, staging
 from ._dtypes import ReduceOp, check_dtype, check_reduce, ufunc_for
 from ._errors import CommClosedError, InvalidArgument, UsageError, check_timeout
 from . import _groups, _health
@@ -73,6 +73,7 @@ class _Job:
     timeout: float | None = None  # the per-call timeout= (None: AHCOMM_EXEC_TIMEOUT)
     entry: Entry | None = None  # its flight-recorder entry
     probed: bool = False  # its fingerprint was announced to the peers (it ran long)
+    ready: Callable[[int, int], Awaitable[None]] | None = None  # src elements [lo, hi) landed on the host
 
 
 def _as_array(x: Any, what: str) -> np.ndarray:
@@ -152,7 +153,7 @@ class Comm(Health, BlockedCollectives, ObjectCollectives, PointToPoint):
         return self._seq
 
     # -- collectives ------------------------------------------------------------------------
-    @device_aware
+    @device_aware(sliced=True)
     def all_reduce(self, x: Any, op: ReduceOp | str = "sum", *, out: np.ndarray | None = None,
                    algorithm: str | None = None, timeout: float | None = None) -> "asyncio.Future[np.ndarray]":
         """Elementwise reduction of ``x`` over all ranks; every rank gets the result."""
@@ -162,7 +163,7 @@ class Comm(Health, BlockedCollectives, ObjectCollectives, PointToPoint):
         return self._issue("all_reduce", arr, arr.shape, arr.size, out, redop=redop, algorithm=algorithm,
                            timeout=timeout)
 
-    @device_aware
+    @device_aware(sliced=True)
     def all_gather(self, x: Any, *, out: np.ndarray | None = None, algorithm: str | None = None,
                    timeout: float | None = None) -> "asyncio.Future[np.ndarray]":
         """Concatenate every rank's ``x`` along axis 0, in rank order."""
@@ -170,7 +171,7 @@ class Comm(Health, BlockedCollectives, ObjectCollectives, PointToPoint):
         shape = (self.size * arr.shape[0], *arr.shape[1:]) if arr.ndim else (self.size,)
         return self._issue("all_gather", arr, shape, arr.size, out, algorithm=algorithm, timeout=timeout)
 
-    @device_aware
+    @device_aware(sliced=True)
     def reduce_scatter(self, x: Any, op: ReduceOp | str = "sum", *, out: np.ndarray | None = None,
                        algorithm: str | None = None, timeout: float | None = None) -> "asyncio.Future[np.ndarray]":
         """Reduce ``x`` over ranks and give rank r block r of axis 0."""
@@ -182,7 +183,7 @@ class Comm(Health, BlockedCollectives, ObjectCollectives, PointToPoint):
         return self._issue("reduce_scatter", arr, shape, arr.size // self.size, out, redop=redop,
                            algorithm=algorithm, timeout=timeout)
 
-    @device_aware
+    @device_aware(sliced=True)
     def broadcast(self, x: Any, root: int = 0, *, out: np.ndarray | None = None,
                   algorithm: str | None = None, timeout: float | None = None) -> "asyncio.Future[np.ndarray]":
         """Every rank gets the root's ``x`` (other ranks' ``x`` gives only shape and dtype)."""
@@ -239,6 +240,9 @@ class Comm(Health, BlockedCollectives, ObjectCollectives, PointToPoint):
     def _issue(self, op: str, arr: np.ndarray, shape: tuple[int, ...], count: int, out: np.ndarray | None, *,
                redop: ReduceOp | None = None, root: int = 0, algorithm: str | None = None,
                timeout: float | None = None) -> "asyncio.Future[Any]":
+        """Queue a collective on ``arr``. A device input still being copied to the host
+        (``staging()``, set by ``device_aware(sliced=True)``) is waited for slice by slice."""
+        staged = staging()
         dtype = arr.dtype
         result = self._output(op, out, shape, dtype)
         inplace = result is arr and arr.flags.c_contiguous
@@ -248,28 +252,34 @@ class Comm(Health, BlockedCollectives, ObjectCollectives, PointToPoint):
         if inplace:
             src = dst
         elif out is not None and np.may_share_memory(result, arr):  # out overlaps x: read a copy
+            if staged is not None:
+                staged.wait()
+                staged = None
             src = arr.reshape(-1).copy()
         else:
             src = np.ascontiguousarray(arr).reshape(-1)
         call = Call(op=op, seq=self._seq, dtype=dtype, count=count, redop=redop, root=int(root))
-        return self._submit(call, src, dst, result, self._finish(dst, result, redop), algorithm, timeout=timeout)
+        return self._submit(call, src, dst, result, self._finish(dst, result, redop), algorithm, timeout=timeout,
+                            ready=staged.ready if staged is not None else None)
 
     def _submit(self, call: Call, src: np.ndarray, dst: np.ndarray, result: Any,
                 finish: Callable[[], None] | None, algorithm: str | None, *,
                 prepare: Callable[[_Job], None] | None = None, later: bool = False,
-                timeout: float | None = None) -> "asyncio.Future[Any]":
+                timeout: float | None = None,
+                ready: Callable[[int, int], Awaitable[None]] | None = None) -> "asyncio.Future[Any]":
         """Queue ``call`` (its ``seq`` is the next sequence number) and return its future.
 
         ``prepare(job)`` fills in the job's arrays and counts: at once, or with ``later``
         when the worker reaches the job, once every earlier collective (a count exchange)
         is done. The algorithm is chosen once the job is complete. ``timeout`` bounds the
-        run (None: AHCOMM_EXEC_TIMEOUT).
+        run (None: AHCOMM_EXEC_TIMEOUT); ``ready(lo, hi)``, if given, is awaited before the
+        executor reads ``src[lo:hi]`` (a device input still on its way to the host).
         """
         assert call.seq == self._seq
         if timeout is not None:
             timeout = check_timeout(timeout, call.op)
         job = _Job(call, None, src, dst, result, finish, asyncio.get_running_loop().create_future(),
-                   prepare if later else None, algorithm, timeout)
+                   prepare if later else None, algorithm, timeout, ready=ready)
         if not later:
             if prepare is not None:
                 prepare(job)
@@ -355,7 +365,7 @@ class Comm(Health, BlockedCollectives, ObjectCollectives, PointToPoint):
         if self._watchdog is None or job.timeout is not None:
             self._arm(job, now)
         try:
-            await self._executor.run(call, job.algorithm, job.src, job.dst, ufunc)
+            await self._executor.run(call, job.algorithm, job.src, job.dst, ufunc, ready=job.ready)
         finally:
             self._running = None
         if job.finish is not None:

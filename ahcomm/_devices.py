@@ -36,8 +36,10 @@ itself is returned.
 
 Overlap: ``Staged.ready(lo, hi)`` awaits only the chunks of the device-to-host copy that
 cover elements ``[lo, hi)`` of the flat input, so a collective that runs slice by slice can
-start communicating slice k while slice k+1 is still being copied. ``staged_chunks`` is the
-same as an async iterator. For host inputs everything is ready at once.
+start communicating slice k while slice k+1 is still being copied. all_reduce, all_gather,
+reduce_scatter and broadcast do (``device_aware(sliced=True)``: the executor awaits each
+slice's range); the other collectives wait for the whole copy before they are issued.
+``staged_chunks`` is the same as an async iterator. For host inputs everything is ready at once.
 
 Scope of what was run here: numpy, torch CPU tensors, DLPack and ``__array__`` inputs, and
 the staging pool (CPU tensors forced through it with ``copy=True``) are tested on CPU; so is
@@ -60,13 +62,14 @@ import functools
 import sys
 import threading
 from collections import OrderedDict
-from typing import Any, AsyncIterator, Callable, TypeVar, cast
+from contextvars import ContextVar
+from typing import Any, AsyncIterator, Callable, TypeVar, cast, overload
 
 import ml_dtypes
 import numpy as np
 
 __all__ = ["Staged", "StagingPool", "POOL", "stage", "to_host", "host_out", "staged_chunks", "is_device_tensor",
-           "device_aware"]
+           "device_aware", "staging"]
 
 #: chunk of the device-to-host copy when ``stage`` is given no ``chunk_bytes`` (8 MiB: a
 #: few hundred microseconds at PCIe speeds, small against the collectives' slices)
@@ -547,13 +550,34 @@ async def _finished(future: "asyncio.Future[Any]", staged: Staged) -> Any:
     return staged.finish(result)
 
 
-def device_aware(method: F) -> F:
+_STAGING: ContextVar["Staged | None"] = ContextVar("ahcomm_staging", default=None)
+
+
+def staging() -> "Staged | None":
+    """The device input being issued by a ``device_aware(sliced=True)`` collective, if its
+    copy to the host is still in flight (None otherwise)."""
+    return _STAGING.get()
+
+
+@overload
+def device_aware(method: F) -> F: ...
+@overload
+def device_aware(*, sliced: bool = False) -> Callable[[F], F]: ...
+
+
+def device_aware(method: F | None = None, *, sliced: bool = False) -> F | Callable[[F], F]:
     """Let a collective ``method(self, x, ..., out=None, ...)`` take tensors and array-likes.
 
-    Host numpy arrays go straight through. Anything else is staged (``stage``), waited for on
-    the host, given to the collective as numpy, and the result comes back as the caller's
-    type on the caller's device (``Staged.finish``).
+    Host numpy arrays go straight through. Anything else is staged (``stage``), given to the
+    collective as numpy, and the result comes back as the caller's type on the caller's device
+    (``Staged.finish``). The input's device-to-host copy is waited for before the call, except
+    for a ``sliced`` method (``@device_aware(sliced=True)``): while it runs, ``staging()``
+    returns the ``Staged``, which the collective hands to the executor to wait slice by slice
+    (``Staged.ready``), so the copy of slice k+1 overlaps the communication of slice k.
     """
+    if method is None:
+        return cast(Callable[[F], F], functools.partial(device_aware, sliced=sliced))
+
     @functools.wraps(method)
     def wrapper(self: Any, x: Any, *args: Any, out: Any = None, **kwargs: Any) -> Any:
         if _is_host(x) and _is_host(out):
@@ -564,12 +588,17 @@ def device_aware(method: F) -> F:
             staged = stage(np.empty(0, np.uint8) if x is None else x, out)
         except TypeError as exc:
             raise InvalidArgument(f"{method.__name__}: {exc}") from None
-        staged.wait()
+        overlap = sliced and staged.pending
+        if not overlap:
+            staged.wait()
         host_out = staged.out_for(()) if out is not None else None
+        token = _STAGING.set(staged if overlap else None)
         try:
             future = method(self, staged.array if x is not None else None, *args, out=host_out, **kwargs)
         except BaseException:
             staged.release()
             raise
+        finally:
+            _STAGING.reset(token)
         return asyncio.ensure_future(_finished(future, staged))
     return cast(F, wrapper)

@@ -397,3 +397,39 @@ def test_pool_keeps_at_most_max_bytes() -> None:
     pool.release(torch.device("cpu"), bufs[-1])  # twice: still one entry
     assert pool.idle() == 3
     assert pool.acquire(torch.device("cpu"), torch.float32, 100) is bufs[-1]  # the most recent first
+
+
+@needs_torch
+@pytest.mark.parametrize("op", ["all_reduce", "reduce_scatter", "all_gather", "broadcast"])
+async def test_collective_waits_for_the_device_copy_slice_by_slice(fake_accelerator: Any,
+                                                                    monkeypatch: pytest.MonkeyPatch, op: str) -> None:
+    """A device tensor bigger than the CCL buffer: the collective is issued before its input has
+    landed on the host, and the executor waits for each chunk of the device-to-host copy only
+    when a slice reads it, so slice k is communicated while chunk k+1 is still pending."""
+    from ahcomm.algorithms._executor import Executor
+
+    log: list[str] = []
+    sync = FakeEvent.synchronize
+    views = Executor._views
+    monkeypatch.setattr(FakeEvent, "synchronize", lambda self: (log.append("copy"), sync(self))[1])
+    monkeypatch.setattr(Executor, "_views", lambda self, *a: (log.append("slice"), views(self, *a))[1])
+    # 24 MiB of float32: 3 copy chunks of 8 MiB; star (ring for reduce_scatter) runs it in slices
+    # through 4 MiB CCL buffers (ring, rhd and nhr all_reduce pipeline inside one run instead,
+    # which waits for the whole input)
+    n = 6 * (1 << 20)
+    comms = await ahcomm.init_inprocess(2, buffsize=4 << 20)
+    try:
+        xs = [torch.arange(n, dtype=torch.float32) * (r + 1) for r in range(2)]
+        algorithm = "ring" if op == "reduce_scatter" else "star"  # both slice the call
+        results = await asyncio.wait_for(asyncio.gather(*(getattr(c, op)(xs[c.rank], algorithm=algorithm)
+                                                          for c in comms)), 60)
+    finally:
+        await asyncio.gather(*(c.close() for c in comms))
+    base = torch.arange(n, dtype=torch.float32)
+    want = {"all_reduce": [base * 3] * 2, "reduce_scatter": [(base * 3)[:n // 2], (base * 3)[n // 2:]],
+            "all_gather": [torch.cat([base, base * 2])] * 2, "broadcast": [base] * 2}[op]
+    for y, w in zip(results, want):
+        assert isinstance(y, torch.Tensor) and torch.equal(y, w)
+    assert log.count("copy") == 6, log  # 3 chunks on each of 2 ranks, each waited for once
+    assert log.index("slice") < len(log) - 1 - log[::-1].index("copy"), \
+        f"every copy was waited for before the first slice: {log}"

@@ -159,7 +159,8 @@ class Executor:
         for a in range(0, max(call.count, 1), step):
             b = min(a + step, call.count)
             if ready is not None:
-                await ready(*self._reads(call, src, a, b))
+                for lo, hi in self._reads(call, src, a, b):
+                    await ready(lo, hi)
             s, d = self._views(call, src, dst, a, b, inplace)
             ctx = Context(call=call, topo=self.topo, links=self.links, src=s, dst=d,
                           ccl_in=ccl_in, ccl_out=ccl_out, half_offset=parity, main=self.main, subs=subs,
@@ -180,13 +181,13 @@ class Executor:
             for link in self.links.values():
                 link.send_progress(call.seq + 1)
 
-    def _reads(self, call: Call, src: np.ndarray, a: int, b: int) -> tuple[int, int]:
-        """The range of ``src`` the slice [a, b) of ``call`` reads (a hull for reduce_scatter's rows)."""
+    def _reads(self, call: Call, src: np.ndarray, a: int, b: int) -> list[tuple[int, int]]:
+        """The ranges of ``src`` the slice [a, b) of ``call`` reads (reduce_scatter: one per rank's block)."""
         if call.op in WHOLE or (a == 0 and b == call.count):
-            return 0, src.size
+            return [(0, src.size)]
         if call.op == "reduce_scatter":
-            return a, (self.size - 1) * call.count + b
-        return a, b
+            return [(p * call.count + a, p * call.count + b) for p in range(self.size)]
+        return [(a, b)]
 
     def _views(self, call: Call, src: np.ndarray, dst: np.ndarray, a: int, b: int,
                inplace: bool) -> tuple[np.ndarray, np.ndarray]:
