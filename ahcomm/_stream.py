@@ -42,6 +42,26 @@ ENGINE_THRESHOLD = 256 * 1024
 TaskFn = Callable[[], "Awaitable[Any] | None"]
 
 
+class _Started:
+    """A task whose awaitable was made at submission (the stream was idle) and awaits its turn."""
+
+    __slots__ = ("awaitable",)
+
+    def __init__(self, awaitable: "Awaitable[Any]") -> None:
+        self.awaitable = awaitable
+
+    def __call__(self) -> "Awaitable[Any]":
+        return self.awaitable
+
+
+def _discard(fn: TaskFn) -> None:
+    """A dropped task: close the coroutine it already made (no 'never awaited' warning)."""
+    if isinstance(fn, _Started):
+        close = getattr(fn.awaitable, "close", None)
+        if close is not None:
+            close()
+
+
 class Stream:
     """An ordered queue of tasks executed by one asyncio task."""
 
@@ -72,7 +92,7 @@ class Stream:
             self._failed(exc)
             return
         if pending is not None:
-            self._push(lambda: pending, None)
+            self._push(_Started(pending), None)
 
     def _push(self, fn: TaskFn, marker: asyncio.Future[None] | None) -> None:
         if self._closed:
@@ -154,6 +174,7 @@ class Stream:
                 self._error = None
                 continue
             if self._error is not None:
+                _discard(fn)
                 continue  # skip work after a failure, up to the next synchronize()
             self._busy = True
             try:
@@ -215,6 +236,8 @@ class Stream:
     def abort(self, error: BaseException) -> None:
         """Drop queued work and fail pending synchronize() calls with ``error``."""
         pending = [m for _, m in self._queue if m is not None]
+        for fn, _ in self._queue:
+            _discard(fn)
         self._queue.clear()
         for marker in pending:
             if not marker.done():
