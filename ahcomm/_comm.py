@@ -44,7 +44,7 @@ import numpy as np
 from . import _flight
 from ._buffers import CclBuffers
 from ._collectives import BlockedCollectives, flat_view
-from ._devices import device_aware, staging
+from ._devices import device_aware, take_staging
 from ._dtypes import ReduceOp, check_dtype, check_reduce, ufunc_for
 from ._errors import CommClosedError, InvalidArgument, UsageError, check_timeout
 from . import _groups, _health
@@ -241,8 +241,8 @@ class Comm(Health, BlockedCollectives, ObjectCollectives, PointToPoint):
                redop: ReduceOp | None = None, root: int = 0, algorithm: str | None = None,
                timeout: float | None = None) -> "asyncio.Future[Any]":
         """Queue a collective on ``arr``. A device input still being copied to the host
-        (``staging()``, set by ``device_aware(sliced=True)``) is waited for slice by slice."""
-        staged = staging()
+        (``take_staging()``, set by ``device_aware(sliced=True)``) is waited for slice by slice."""
+        staged = take_staging()
         dtype = arr.dtype
         result = self._output(op, out, shape, dtype)
         inplace = result is arr and arr.flags.c_contiguous
@@ -344,6 +344,7 @@ class Comm(Health, BlockedCollectives, ObjectCollectives, PointToPoint):
                     entry.state, entry.ended = "done", time.monotonic()
                 if not job.future.done():
                     job.future.set_result(job.result)
+            job.ready = None  # a device input's staging: not kept alive until the next collective
 
     async def _run(self, job: _Job) -> None:
         call = job.call

@@ -69,7 +69,7 @@ import ml_dtypes
 import numpy as np
 
 __all__ = ["Staged", "StagingPool", "POOL", "stage", "to_host", "host_out", "staged_chunks", "is_device_tensor",
-           "device_aware", "staging"]
+           "device_aware", "take_staging"]
 
 #: chunk of the device-to-host copy when ``stage`` is given no ``chunk_bytes`` (8 MiB: a
 #: few hundred microseconds at PCIe speeds, small against the collectives' slices)
@@ -553,10 +553,14 @@ async def _finished(future: "asyncio.Future[Any]", staged: Staged) -> Any:
 _STAGING: ContextVar["Staged | None"] = ContextVar("ahcomm_staging", default=None)
 
 
-def staging() -> "Staged | None":
+def take_staging() -> "Staged | None":
     """The device input being issued by a ``device_aware(sliced=True)`` collective, if its
-    copy to the host is still in flight (None otherwise)."""
-    return _STAGING.get()
+    copy to the host is still in flight (None otherwise). Taking it clears it, so no task
+    created afterwards (a worker, a stream) keeps it alive in its copy of the context."""
+    staged = _STAGING.get()
+    if staged is not None:
+        _STAGING.set(None)
+    return staged
 
 
 @overload
@@ -571,7 +575,7 @@ def device_aware(method: F | None = None, *, sliced: bool = False) -> F | Callab
     Host numpy arrays go straight through. Anything else is staged (``stage``), given to the
     collective as numpy, and the result comes back as the caller's type on the caller's device
     (``Staged.finish``). The input's device-to-host copy is waited for before the call, except
-    for a ``sliced`` method (``@device_aware(sliced=True)``): while it runs, ``staging()``
+    for a ``sliced`` method (``@device_aware(sliced=True)``): while it runs, ``take_staging()``
     returns the ``Staged``, which the collective hands to the executor to wait slice by slice
     (``Staged.ready``), so the copy of slice k+1 overlaps the communication of slice k.
     """

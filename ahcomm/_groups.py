@@ -9,38 +9,57 @@ traffic never meet the parent's or another group's. A group's collectives theref
 independently of the parent's (both may be in flight at once, in any order across ranks)
 and are matched only among its members.
 
-Making one takes two of the parent's collectives: an ``all_gather_object`` of each rank's
-(color, key, next free domain, how to reach its new buffers), then - once every member has
-opened its child links - a ``barrier``, so no message of the new domain can reach a rank
-before its link for that domain exists. The domain is the largest next-free number any rank
-proposed, so it is unused on every connection involved (nested groups included).
+Making one takes three of the parent's ``all_gather_object`` calls: the arguments (color,
+key, ranks, buffsize: checked alike on every rank, so a bad one raises everywhere), then a
+domain proposal and how to reach each member's new CCL buffers (sdma: shared-memory names),
+then whether each rank opened its child links - which also guarantees that no message of
+the new domain reaches a rank before its link for that domain exists. The domain is the
+largest number proposed; each rank reserves its proposals, so creations in flight together
+never agree on the same number. Two creations from *overlapping* communicators issued in
+different orders can still meet on one connection; the rank that finds its domain taken
+says so in the last round, and the creation tries again with a fresh domain.
 """
 
 from __future__ import annotations
 
+import random
 from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 
 from ._buffers import CclBuffers
-from ._errors import InvalidArgument, UsageError
+from ._errors import InvalidArgument, TransportError, UsageError
 from .algorithms._executor import Progress
 from .algorithms.base import Topology
-from .transports.base import MAX_DOMAIN, Link
+from .transports.base import MAX_DOMAIN, DomainInUse, Link
 
 if TYPE_CHECKING:
     from ._comm import Comm
 
 SMALL_BUFFERS = 4096  # bytes of CCL_In/CCL_Out of a one-rank group (it never communicates)
 MIN_BUFFSIZE = 1024  # bytes of each CCL buffer of a group, at least (AHCOMM_BUFFSIZE's floor)
+DOMAIN_ATTEMPTS = 8  # rounds to find a domain free on every connection
+COLLISION = "domain in use"
+RETRY_SPREAD = 64  # a retry proposes a random one of the next this many domains
 
 
 class Domains:
-    """The next free domain number of one process's connections (shared by a communicator
-    and every sub-communicator made from it)."""
+    """Domain numbers of one process's connections (shared by a communicator and every
+    sub-communicator made from it): each proposal is reserved at once, so creations in
+    flight together never propose the same number, and every agreed number is skipped."""
 
     def __init__(self) -> None:
         self.next = 1
+
+    def reserve(self, spread: int = 0) -> int:
+        """A fresh number (``spread``: a random one of the next ``spread``, which breaks the tie
+        of two creations that keep meeting on the same number)."""
+        number = self.next + (random.randrange(spread) if spread else 0)
+        self.next = number + 1
+        return number
+
+    def seen(self, number: int) -> None:
+        self.next = max(self.next, number + 1)
 
 
 def _check_color(color: Any, key: Any, rank: int) -> tuple[int | None, int]:
@@ -101,74 +120,120 @@ def _check_buffsize(buffsize: Any, parent: "Comm") -> int:
     return int(buffsize)
 
 
-def _make_buffers(parent: "Comm", nbytes: int) -> CclBuffers:
-    if parent._executor.buffers.ccl_in.name:  # same-host peers map our buffers: the group's are shared too
-        return CclBuffers.shared(nbytes, f"r{parent.world_ranks[parent.rank]}g")
+def _make_buffers(parent: "Comm", group: tuple[int, ...], nbytes: int) -> CclBuffers:
+    links = parent._executor.links
+    if len(group) == 1:
+        return CclBuffers.local(SMALL_BUFFERS)
+    if any(links[p].mapped and parent._executor.buffers.ccl_in.name for p in group if p != parent.rank):
+        return CclBuffers.shared(nbytes, f"r{parent.world_ranks[parent.rank]}g")  # same-host members map them
     return CclBuffers.local(nbytes)
 
 
 async def _create(parent: "Comm", color: int | None, key: int, members: tuple[int, ...] | None,
                   nbytes: int, problem: str | None = None) -> "Comm | None":
-    links = parent._executor.links
-    buffers = _make_buffers(parent, nbytes) if color is not None and links else None
-    opened: dict[int, Link] = {}
+    """Three rounds of the parent's all_gather_object: the arguments (checked alike on every
+    rank), then the domain and how to reach each member's buffers, then whether every rank
+    opened its links (a domain already used on some connection - two creations from
+    overlapping communicators at once - takes another round with a fresh domain)."""
+    rows = await parent.all_gather_object([color, key, members and list(members), problem, nbytes])
+    _check_rows(rows, color, members, parent.rank)
+    group: tuple[int, ...] = ()
+    if color is not None:
+        group = tuple(p for _, p in sorted((int(row[1]), p) for p, row in enumerate(rows) if row[0] == color))
+    rank = group.index(parent.rank) if group else -1
+    buffers = _make_buffers(parent, group, nbytes) if group else None
     try:
         about: dict[str, Any] = {}
-        if buffers is not None:  # what each kind of link needs (sdma: the shared-memory names)
-            for link in {type(link): link for link in links.values()}.values():
+        if buffers is not None and len(group) > 1:  # what each kind of link needs (sdma: shared-memory names)
+            for link in {type(parent._executor.links[p]): parent._executor.links[p] for p in group
+                         if p != parent.rank}.values():
                 about.update(link.describe_buffers(buffers))
-        rows = await parent.all_gather_object([color, key, parent._domains.next, about,
-                                               members and list(members), problem, nbytes])
-        for p, row in enumerate(rows):  # a bad argument anywhere fails every rank alike
-            if row[5]:
-                raise InvalidArgument(row[5] if p == parent.rank else f"{row[5]} (on rank {p})")
-        domain = max(int(row[2]) for row in rows)
-        if domain > MAX_DOMAIN:
-            raise UsageError(f"split: this process made {MAX_DOMAIN} sub-communicators already (no domain left)")
-        parent._domains.next = domain + 1
-        if members is not None or any(row[4] for row in rows):
-            _agree(rows, members)
-        if len({row[6] for row in rows if row[0] == color}) > 1:  # a group's ranks slice calls alike
-            sizes = {p: row[6] for p, row in enumerate(rows) if row[0] == color}
-            raise InvalidArgument(f"split: the members of group {color} asked for different buffsize: {sizes}")
-        if color is None:
-            await parent.barrier()
-            return None
-        order = sorted((int(row[1]), p) for p, row in enumerate(rows) if row[0] == color)
-        group = tuple(p for _, p in order)
-        rank, size = group.index(parent.rank), len(group)
-        progress = Progress(rank, size)
-        for g, p in enumerate(group):
-            if p != parent.rank:
-                assert buffers is not None
-                opened[g] = links[p].child(domain, rank, g, buffers, rows[p][3], progress.reached)
-        await parent.barrier()  # every member's links for the domain exist now
+        for attempt in range(DOMAIN_ATTEMPTS):
+            progress = Progress(rank, len(group)) if group else None
+            domain, opened = await _open(parent, group, rank, buffers, about, progress, RETRY_SPREAD * (attempt > 0))
+            if opened is not None:
+                break
+        else:
+            raise UsageError(f"split: no domain free on every connection after {DOMAIN_ATTEMPTS} attempts")
     except BaseException:
-        for link in opened.values():
-            link.close()
         if buffers is not None:
             buffers.close()
         raise
-    if buffers is None or size == 1:
-        if buffers is not None:
-            buffers.close()
-        buffers = CclBuffers.local(SMALL_BUFFERS)
+    if buffers is None or progress is None:
+        return None
     buffers.unlink()  # every member has mapped them
-    return _comm(parent, group, rank, opened, buffers, progress)
+    return _comm(parent, group, rank, opened, buffers, progress, domain)
+
+
+async def _open(parent: "Comm", group: tuple[int, ...], rank: int, buffers: CclBuffers | None,
+                about: dict[str, Any], progress: Progress | None,
+                spread: int) -> tuple[int, dict[int, Link] | None]:
+    """One attempt: agree on a domain, open this rank's child links, and learn whether every
+    rank could. Returns (domain, links), or (domain, None) when the domain must be retried."""
+    proposal = parent._domains.reserve(spread)
+    rows = await parent.all_gather_object([proposal, about])
+    domain = max(int(row[0]) for row in rows)
+    parent._domains.seen(domain)
+    opened: dict[int, Link] = {}
+    status: str | None = None
+    if domain > MAX_DOMAIN:
+        status = f"no domain left (this process made {MAX_DOMAIN} sub-communicators)"
+    else:
+        try:
+            for g, p in enumerate(group):
+                if p != parent.rank:
+                    assert buffers is not None and progress is not None
+                    opened[g] = parent._executor.links[p].child(domain, rank, g, buffers, rows[p][1],
+                                                                progress.reached)
+        except DomainInUse:
+            status = COLLISION
+        except Exception as exc:  # noqa: BLE001 - told to every rank below
+            status = f"{type(exc).__name__}: {exc}"
+    try:
+        statuses = await parent.all_gather_object(status)  # also: every member's links exist now
+    except BaseException:
+        _close(opened)
+        raise
+    failed = [(p, text) for p, text in enumerate(statuses) if text and text != COLLISION]
+    if failed or COLLISION in statuses:
+        _close(opened)
+        if failed:
+            p, text = failed[0]
+            raise TransportError(f"split: rank {p} could not open its links of the new sub-communicator: {text}")
+        return domain, None
+    return domain, opened
+
+
+def _close(links: dict[int, Link]) -> None:
+    for link in links.values():
+        link.close()
+
+
+def _check_rows(rows: list[list[Any]], color: int | None, members: tuple[int, ...] | None, me: int) -> None:
+    """The arguments every rank gave, checked alike on every rank (all raise, none hangs)."""
+    for p, row in enumerate(rows):
+        if row[3]:
+            raise InvalidArgument(row[3] if p == me else f"{row[3]} (on rank {p})")
+    if members is not None or any(row[2] for row in rows):
+        _agree(rows, members)
+    for col in sorted({row[0] for row in rows if row[0] is not None}):
+        sizes = {p: row[4] for p, row in enumerate(rows) if row[0] == col}
+        if len(set(sizes.values())) > 1:  # a group's ranks must slice calls alike
+            raise InvalidArgument(f"split: the members of group {col} asked for different buffsize: {sizes}")
 
 
 def _agree(rows: list[list[Any]], members: tuple[int, ...] | None) -> None:
     """new_group: every rank must have named the same ranks (checked on every rank alike)."""
-    first = rows[0][4]
+    first = rows[0][2]
     for p, row in enumerate(rows):
-        if row[4] != first:
+        if row[2] != first:
             mine = "split()" if members is None else list(members)
             raise InvalidArgument(f"new_group: the ranks differ across ranks: rank 0 gave {first or 'split()'}, "
-                                  f"rank {p} gave {row[4] or 'split()'} (this rank: {mine})")
+                                  f"rank {p} gave {row[2] or 'split()'} (this rank: {mine})")
 
 
 def _comm(parent: "Comm", group: tuple[int, ...], rank: int, links: dict[int, Link], buffers: CclBuffers,
-          progress: Progress) -> "Comm":
+          progress: Progress, domain: int) -> "Comm":
     topo = parent.topology
     kinds = tuple("self" if p == parent.rank else topo.link_kinds[p] for p in group)
     sub_topo = Topology(rank=rank, size=len(group), hosts=tuple(topo.hosts[p] for p in group), link_kinds=kinds,
@@ -186,4 +251,7 @@ def _comm(parent: "Comm", group: tuple[int, ...], rank: int, links: dict[int, Li
     comm._domains = parent._domains
     comm._parent = parent
     parent._children.append(comm)
+    tracer = comm._executor.tracer
+    if tracer is not None:
+        tracer.set_group(f"g{domain}")
     return comm

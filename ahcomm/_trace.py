@@ -11,7 +11,7 @@ then no hook allocates or reads a clock). It records
   span runs from when the stream starts it until it completes (a wait: until the flag came).
 
 Timestamps are ``time.perf_counter_ns()``. When the communicator closes (or fails) the
-tracer writes Chrome / Perfetto trace JSON to ``DIR/rank{r}of{size}.{pid}.json``, with
+tracer writes Chrome / Perfetto trace JSON to ``DIR/rank{r}of{size}[.GROUP].{host}.{pid}.json``, with
 ``ts``/``dur`` in microseconds from the tracer's start and, in ``otherData``, that origin
 and this process's clock offset to rank 0 (estimated at init by ``estimate_offsets``), so
 ``ahcomm-trace merge`` can put every rank on rank 0's clock.
@@ -53,6 +53,24 @@ def trace_dir(env: Mapping[str, str] | None = None) -> str | None:
     return value or None
 
 
+class _Later:
+    """A traced task's pending awaitable: awaiting it records the span when it completes;
+    ``close()`` (the stream dropped the task) closes the task's own coroutine."""
+
+    __slots__ = ("task", "pending")
+
+    def __init__(self, task: "_Task", pending: Awaitable[Any]) -> None:
+        self.task, self.pending = task, pending
+
+    def __await__(self) -> Any:
+        return self.task._later(self.pending).__await__()
+
+    def close(self) -> None:
+        close = getattr(self.pending, "close", None)
+        if close is not None:
+            close()
+
+
 class _Task:
     """A stream task with its span: runs ``fn`` and records when it started and completed."""
 
@@ -76,7 +94,7 @@ class _Task:
         if result is None:
             self._done(None)
             return None
-        return self._later(result)
+        return _Later(self, result)
 
     async def _later(self, pending: Awaitable[Any]) -> Any:
         try:
@@ -215,8 +233,16 @@ class Tracer:
                 self.collective(call, algorithm.name, start, perf_counter_ns(), error)
         return traced_run
 
+    def set_group(self, group: str) -> None:
+        """Name this communicator (a sub-communicator: every member gives the same name) in the
+        trace's labels and file name."""
+        self.group = group
+        _names.discard(self.path.name)
+        self.path = self.directory / _file_name(self.rank, self.size, group)
+
     def collective(self, call: Call, algorithm: str, start: int, end: int, error: BaseException | None) -> None:
-        self.group = call.group
+        if call.group:
+            self.group = call.group
         reason = None if error is None else f"{type(error).__name__}: {error}"
         self._keep(_Collective(call, algorithm, start, end, reason))
 
@@ -280,8 +306,9 @@ def _track_ids(names: Any) -> dict[str, int]:
     return {name: i for i, name in enumerate(ordered)}
 
 
-def _file_name(rank: int, size: int) -> str:
-    base = f"rank{rank}of{size}.{os.getpid()}"
+def _file_name(rank: int, size: int, group: str = "") -> str:
+    host = "".join(c if c.isalnum() or c in "-_" else "_" for c in socket.gethostname())[:64]
+    base = f"rank{rank}of{size}{'.' + group if group else ''}.{host}.{os.getpid()}"
     name, k = f"{base}.json", 1
     while name in _names:
         name, k = f"{base}.{k}.json", k + 1

@@ -433,3 +433,22 @@ async def test_collective_waits_for_the_device_copy_slice_by_slice(fake_accelera
     assert log.count("copy") == 6, log  # 3 chunks on each of 2 ranks, each waited for once
     assert log.index("slice") < len(log) - 1 - log[::-1].index("copy"), \
         f"every copy was waited for before the first slice: {log}"
+
+
+@needs_torch
+async def test_a_device_input_is_not_kept_alive_by_the_communicator(fake_accelerator: Any) -> None:
+    """The staging handed to the executor does not outlive the call (no task's context keeps it)."""
+    import gc
+    import weakref
+
+    comms = await ahcomm.init_inprocess(2)
+    try:
+        xs = [torch.ones(1000) * (r + 1) for r in range(2)]
+        refs = [weakref.ref(x) for x in xs]
+        got = await asyncio.gather(*(c.all_reduce(xs[c.rank]) for c in comms))
+        assert all(torch.all(g == 3) for g in got)
+        del xs, got
+        gc.collect()
+        assert [r() for r in refs] == [None, None], "the communicator keeps a device input alive"
+    finally:
+        await asyncio.gather(*(c.close() for c in comms))

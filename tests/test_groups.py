@@ -155,7 +155,7 @@ async def test_bad_arguments_raise_on_every_rank(bad: str) -> None:
         if bad == "buffsize":
             return c.split(0, buffsize=100 if r == 0 else None)
         if bad == "buffsize_differ":
-            return c.new_group([0, 1, 2, 3], buffsize=4096 * (1 + r % 2))
+            return c.split(r % 2, buffsize=8192 if r == 1 else 4096)  # one group of two disagrees
         return c.new_group([0, 1] if r != 2 else [1, 0])
 
     results = await asyncio.wait_for(asyncio.gather(*(call(c) for c in comms), return_exceptions=True), 10)
@@ -216,3 +216,67 @@ def test_a_dead_member_fails_its_groups_within_seconds(transport: str) -> None:
             assert "rank 0 (world rank 4) was lost" in message, message
         else:
             assert "rank 4 was lost" in message, message
+
+
+async def test_groups_made_concurrently_get_distinct_domains() -> None:
+    """Creations in flight together: two from one parent, and nested ones from overlapping
+    groups issued in opposite orders on the ranks they share (their domains meet on a
+    connection and one creation retries with a fresh domain)."""
+    comms = await world(4)
+    pairs = await asyncio.gather(*(asyncio.gather(c.split(0, buffsize=4096), c.split(c.rank % 2, buffsize=4096))
+                                   for c in comms))
+    got = await asyncio.gather(*(asyncio.gather(a.all_reduce(np.ones(3)), b.all_reduce(np.ones(3)))
+                                 for a, b in pairs if a and b))
+    assert [(float(x[0]), float(y[0])) for x, y in got] == [(4.0, 2.0)] * 4
+    left = await asyncio.gather(*(c.new_group([0, 1, 2]) for c in comms))
+    right = await asyncio.gather(*(c.new_group([1, 2, 3]) for c in comms))
+
+    async def nested(r: int) -> list[ahcomm.Comm | None]:
+        mine = [g for g in ((left[r], right[r]) if r != 2 else (right[r], left[r])) if g is not None]
+        return list(await asyncio.gather(*(g.split(0, buffsize=4096) for g in mine)))
+
+    subs = await asyncio.wait_for(asyncio.gather(*(nested(r) for r in range(4))), 30)
+    flat = [s for row in subs for s in row if s is not None]
+    domains = {}
+    for s in flat:
+        for link in s._executor.links.values():
+            domains.setdefault(s.world_ranks, set()).add(link.domain_key[0])  # type: ignore[attr-defined]
+    assert len(set().union(*domains.values())) == len(domains) == 2, domains
+    sums = await asyncio.wait_for(asyncio.gather(*(s.all_reduce(np.array([float(s.world_ranks[s.rank])]))
+                                                   for s in flat)), 30)
+    assert sorted(float(x[0]) for x in sums) == [3.0] * 3 + [6.0] * 3
+    await close_all(comms)
+
+
+async def test_a_rank_that_cannot_open_its_links_fails_every_rank(monkeypatch: pytest.MonkeyPatch) -> None:
+    from ahcomm.transports.inproc import InprocLink
+
+    child = InprocLink.child
+
+    def failing(self: InprocLink, *args: Any, **kw: Any) -> InprocLink:
+        if self.ends[0] == 2:
+            raise OSError("no memory for the mapping")
+        return child(self, *args, **kw)
+
+    monkeypatch.setattr(InprocLink, "child", failing)
+    comms = await world(4)
+    results = await asyncio.wait_for(asyncio.gather(*(c.split(c.rank % 2) for c in comms),
+                                                    return_exceptions=True), 10)
+    for err in results:
+        assert isinstance(err, ahcomm.TransportError) and "rank 2 could not open" in str(err), err
+    monkeypatch.setattr(InprocLink, "child", child)
+    groups = await asyncio.gather(*(c.split(c.rank % 2) for c in comms))  # the parent is still fine
+    assert all(g is not None and g.size == 2 for g in groups)
+    await close_all(comms)
+
+
+async def test_traces_of_groups_are_named_after_their_domain(tmp_path: Path,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("AHCOMM_TRACE", str(tmp_path))
+    comms = await world(4)
+    groups = await asyncio.gather(*(c.split(c.rank % 2) for c in comms))
+    await asyncio.gather(*(g.all_reduce(np.ones(8)) for g in groups if g))
+    await close_all(comms)
+    names = sorted(p.name.split(".")[0] + "." + p.name.split(".")[1] for p in tmp_path.glob("*.g*.json"))
+    assert names == ["rank0of2.g1"] * 2 + ["rank1of2.g1"] * 2, names
+    assert len(list(tmp_path.glob("rank*of4.*.json"))) == 4

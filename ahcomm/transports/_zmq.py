@@ -47,7 +47,7 @@ from ._auth import AUTH, HANDSHAKE_FAILED, Credentials, context
 from ._wire import (COPY_THRESHOLD, DEALER_EVENTS, FRAME_LIMIT, HEADER, MAX_META, MAX_MESSAGE_LIMIT, MAX_REASON,
                     MAX_SIGNAL, MSG_ABORT, MSG_BYE, MSG_CONTROL, MSG_P2P, MSG_P2P_ACK, MSG_PROGRESS, MSG_SIGNAL,
                     RANK_ID, ROUTER_EVENTS, WIRE_SLACK, Malformed, Monitor, buffer_name, frame, last)
-from .base import MAX_CONTROL, Link, ProgressHook
+from .base import MAX_CONTROL, DomainInUse, Link, ProgressHook
 
 DEFAULT_MAX_MESSAGE = 1 << 30  # AHCOMM_MAX_MESSAGE default: bytes of one point-to-point message
 LOSS_GRACE = 0.5  # seconds a disconnected peer has for its goodbye to arrive before it counts as lost
@@ -232,8 +232,14 @@ class Channel:
 class ZmqLink(Link):
     """A link whose notifies travel as ZeroMQ messages on the peer's channel."""
 
+    wire_peer: int  # the peer's rank on the connection (its DEALER identity)
+    domain: int  # 0: the connection's own communicator; else a sub-communicator's (see ``child``)
+
     def __init__(self, rank: int, peer: int, channel: Channel, endpoint: str,
                  on_progress: ProgressHook | None, *, parent: "ZmqLink | None" = None, domain: int = 0) -> None:
+        wire_peer: int = parent.wire_peer if parent is not None else peer  # the peer's DEALER identity
+        if (domain, wire_peer) in channel.links:
+            raise DomainInUse(f"link {rank}->{peer}: domain {domain} is in use on rank {wire_peer}'s connection")
         super().__init__(rank, peer, on_progress)
         self.channel = channel
         self.endpoint = endpoint
@@ -251,7 +257,7 @@ class ZmqLink(Link):
         self.domain = domain
         self.root: ZmqLink = parent.root if parent is not None else self
         self.children: list[ZmqLink] = []  # (root link only) the sub-communicators' links on this connection
-        self.wire_peer: int = parent.wire_peer if parent is not None else peer  # the peer's DEALER identity
+        self.wire_peer = wire_peer
         if parent is None:
             self.sock, self._monitor = channel.dealer(endpoint, self._on_event)
         else:

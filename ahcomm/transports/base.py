@@ -31,7 +31,12 @@ from typing import Any, Awaitable, Callable, ClassVar, Protocol
 import numpy as np
 
 from .._buffers import CclBuffers
+from .._errors import TransportError
 from .._notify import Notify
+
+
+class DomainInUse(TransportError):
+    """``Link.child``: the connection already carries a sub-communicator with that domain."""
 
 
 class Signal(enum.IntEnum):

@@ -14,7 +14,7 @@ from typing import Any, Awaitable
 import numpy as np
 
 from .._buffers import CclBuffers
-from .base import MAX_CONTROL, Link, MappedAccess, MemoryRunner, MessageKey, ProgressHook, as_bytes
+from .base import MAX_CONTROL, DomainInUse, Link, MappedAccess, MemoryRunner, MessageKey, ProgressHook, as_bytes
 
 
 def _memmove(dst: np.ndarray, addr: int) -> None:
@@ -105,6 +105,8 @@ class InprocWorld:
     def pair(self, domain: int, ends: tuple[int, int], link: InprocLink) -> InprocLink:
         """Register ``link`` (domain, this rank, the peer) and join it to its twin if that exists."""
         rank, peer = ends
+        if (domain, rank, peer) in self.links:
+            raise DomainInUse(f"in-process link {rank}->{peer}: domain {domain} is in use")
         self.links[(domain, rank, peer)] = link
         link.domain_key = (domain, rank, peer)
         twin = self.links.get((domain, peer, rank))
