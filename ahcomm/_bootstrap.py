@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from ._buffers import CclBuffers
+from . import _trace
 from ._comm import Comm
 from ._config import Config
 from ._errors import ConfigError, ConnectError
@@ -128,18 +129,24 @@ async def create(config: Config | None = None, *, rank: int | None = None, world
     comm = Comm(rank=rank, size=size, links=links, buffers=buffers, topo=topo, progress=progress,
                 selector=Selector(REGISTRY, cfg.algo, cost_model), exec_timeout=cfg.exec_timeout,
                 on_close=on_close)
+    tracing = _trace.tracer_of(comm) is not None
     if size > 1:
-        await _agree_single_copy(comm, cfg.single_copy and all(link.single_copy for link in links.values()))
-    from . import _trace  # AHCOMM_TRACE: this rank's clock offset to rank 0's, for merged timelines
-    if _trace.tracer_of(comm) is not None:
-        await _trace.estimate_offsets(comm)
+        single, every_rank_traces = await _agree(comm, cfg.single_copy and all(l.single_copy for l in links.values()),
+                                                 tracing)
+        comm._set_topology(dataclasses.replace(comm.topology, single_copy=single))
+        if tracing and not every_rank_traces:
+            logging.getLogger("ahcomm.trace").warning(
+                "rank %d: AHCOMM_TRACE is set here but not on every rank: the trace files get no clock offsets", rank)
+        elif tracing:  # this rank's clock offset to rank 0's, for merged timelines
+            await _trace.estimate_offsets(comm)
     return comm
 
 
-async def _agree_single_copy(comm: Comm, mine: bool) -> None:
-    """Single-copy reads are used only if every rank can read every peer (a collective decision)."""
-    agreed = await comm.all_reduce(np.array([1 if mine else 0], np.uint8), "min")
-    comm._set_topology(dataclasses.replace(comm.topology, single_copy=bool(agreed[0])))
+async def _agree(comm: Comm, single_copy: bool, tracing: bool) -> tuple[bool, bool]:
+    """Collective decisions, one all_reduce: single-copy reads only if every rank can read every
+    peer; clock offsets for traces only if every rank traces."""
+    agreed = await comm.all_reduce(np.array([single_copy, tracing], np.uint8), "min")
+    return bool(agreed[0]), bool(agreed[1])
 
 
 async def _rendezvous(rank: int, size: int, port: int, cfg: Config, info: dict[str, Any],

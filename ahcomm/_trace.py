@@ -275,8 +275,8 @@ class Tracer:
             tmp = self.path.with_suffix(".tmp")
             tmp.write_text(self.text(), encoding="utf-8")
             tmp.replace(self.path)
-        except OSError as exc:
-            log.warning("ahcomm: could not write the trace %s: %s", self.path, exc)
+        except Exception as exc:  # noqa: BLE001 - a trace must never break close() or abort()
+            log.warning("ahcomm: could not write the trace %s: %r", self.path, exc)
             return None
         return self.path
 
@@ -345,9 +345,9 @@ async def estimate_offsets(comm: Comm) -> None:
     smallest round trip gives offset = (t_send + t_back) / 2 - t_rank0 (within half that round
     trip of the truth). Rank 0 serves the ranks one after another, then releases them all
     together (so the first collective does not wait for the last rank served). A rank on rank 0's host
-    shares its monotonic clock: its offset is 0, and the estimate is only recorded. Every
-    rank must trace (one that does not never answers: the others give up after
-    ``PING_TIMEOUT`` seconds and leave the offset unknown).
+    shares its monotonic clock: its offset is 0, and the estimate is only recorded. init()
+    calls it only when every rank traces (agreed in its first collective); a rank that stops
+    answering makes the others give up after ``PING_TIMEOUT`` seconds, offset unknown.
     """
     global _process_offset
     tracer = tracer_of(comm)

@@ -192,3 +192,27 @@ def test_plot_without_matplotlib_names_the_extra(monkeypatch: pytest.MonkeyPatch
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     with pytest.raises(SystemExit, match=r"ahcomm\[plot\]"):
         _plot.require()
+
+
+def test_tracing_on_some_ranks_only_does_not_stall_init(tmp_path: Path) -> None:
+    """Only rank 0 traces: init agrees that not every rank does, skips the clock ping-pongs
+    (which the others would never answer) and says so; the job runs as usual."""
+    script = tmp_path / "some.py"
+    script.write_text(
+        "import asyncio, os, time, numpy as np, ahcomm\n"
+        "async def main():\n"
+        f"    if os.environ['AHCOMM_RANK'] == '0': os.environ['AHCOMM_TRACE'] = {str(tmp_path / 't')!r}\n"
+        "    start = time.monotonic()\n"
+        "    comm = await ahcomm.init()\n"
+        "    took = time.monotonic() - start\n"
+        "    got = await comm.all_reduce(np.ones(4))\n"
+        "    await comm.close()\n"
+        "    print(f'INIT {comm.rank} {took:.2f} {got[0]:g}', flush=True)\n"
+        "asyncio.run(main())\n")
+    proc = run("-m", "ahcomm.run", "-n", "3", str(script))
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    inits = [line.split() for line in proc.stdout.splitlines() if line.startswith("INIT")]
+    assert len(inits) == 3 and all(float(took) < 5 and total == "3" for _, _, took, total in inits), out
+    assert "not on every rank" in out, out
+    assert len(list((tmp_path / "t").glob("rank0of3.*.json"))) == 1
