@@ -124,7 +124,10 @@ async def test_abort_flushes_the_trace(tmp_path: Path, monkeypatch: pytest.Monke
     comms = await ahcomm.init_inprocess(2, buffsize=1 << 16)
     await asyncio.gather(*(c.all_reduce(np.ones(4, np.float32)) for c in comms))
     comms[0].abort("test")
-    assert len(list(tmp_path.glob("rank0of2.*.json"))) == 1
+    files = list(tmp_path.glob("rank0of2.*.json"))
+    assert len(files) == 1
+    spans = [e for e in json.loads(files[0].read_text())["traceEvents"] if e["ph"] == "X"]
+    assert any(e["name"].startswith("all_reduce") for e in spans), spans  # what ran before the abort
     await asyncio.gather(*(c.close() for c in comms), return_exceptions=True)
 
 
