@@ -389,18 +389,12 @@ class Health:
         elif kind == "lost":
             lost = int(msg.get("lost", peer))
             message = (f"{self._name(lost)} was lost ({text}; found by {self._name(peer)}); "
-                       f"{self._name(self.rank)} can no longer "
-                       f"run collectives on it")
-            suffix, path = self._record(message)
-            error = PeerFailure(message + suffix, rank=lost)
-        elif kind == "abort":  # the peer's own abort(): as an abort message would say
-            self._peer_aborted(peer, text)
-            return
-        else:
-            message = (f"{self._name(peer)} aborted its communicator ({text}); "
                        f"{self._name(self.rank)} can no longer run collectives on it")
             suffix, path = self._record(message)
-            error = PeerFailure(message + suffix, rank=peer)
+            error = PeerFailure(message + suffix, rank=lost)
+        else:  # "abort" (the peer's own abort()) or a failure of its own: as an abort message would say
+            self._peer_aborted(peer, text)
+            return
         error.flight_record = path
         self._fail(error, record=False)
 
