@@ -5,10 +5,7 @@ runs its own collectives; no new connections; a member's death reaches the group
 from __future__ import annotations
 
 import asyncio
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +13,7 @@ import numpy as np
 import pytest
 
 import ahcomm
+from jobs import run_job
 from mp_catalogue import OPS, check
 from test_multiprocess import launch, shm_names
 
@@ -200,12 +198,9 @@ def test_groups_on_real_transports(transport: str) -> None:
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("transport", ["sdma", "rdma"])
 def test_a_dead_member_fails_its_groups_within_seconds(transport: str) -> None:
-    argv = [sys.executable, "-m", "ahcomm.run", "-n", "5", "--grace", "20", "--tag-output",
-            str(HERE / "mp_groups.py")]
-    env = {"AHCOMM_TRANSPORT": transport, "EXPECT_LINK": transport, "GROUP_FAULT": "1", "AHCOMM_BUFFSIZE": "0.0625",
-           "PYTHONPATH": str(HERE)}
-    proc = subprocess.run(argv, env={**os.environ, **env}, capture_output=True, text=True, timeout=120,
-                          cwd=HERE.parent)
+    proc = run_job(5, str(HERE / "mp_groups.py"), grace=20, env={
+        "AHCOMM_TRANSPORT": transport, "EXPECT_LINK": transport, "GROUP_FAULT": "1", "AHCOMM_BUFFSIZE": "0.0625",
+        "PYTHONPATH": str(HERE)})
     out = proc.stdout + proc.stderr
     raised = {rank: (seconds, message) for rank, seconds, message in
               re.findall(r"RAISED rank (\d) after ([\d.]+) s: (.*)", out)}

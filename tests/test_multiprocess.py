@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from jobs import run_job
+
 HERE = Path(__file__).parent
 ROOT = HERE.parent
 pytestmark = pytest.mark.multiprocess
@@ -16,10 +18,9 @@ pytestmark = pytest.mark.multiprocess
 
 def launch(n: int, *program: str, env: dict[str, str] | None = None, timeout: float = 180,
            tag: bool = True) -> subprocess.CompletedProcess[str]:
-    full_env = {**os.environ, "AHCOMM_BUFFSIZE": "0.0625", "AHCOMM_EXEC_TIMEOUT": "60",
-                "AHCOMM_CONNECT_TIMEOUT": "60", **(env or {})}
-    argv = [sys.executable, "-m", "ahcomm.run", "-n", str(n), *(["--tag-output"] if tag else []), *program]
-    return subprocess.run(argv, env=full_env, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    """``program`` on ``n`` ranks with small CCL buffers and generous timeouts."""
+    return run_job(n, *program, env={"AHCOMM_BUFFSIZE": "0.0625", "AHCOMM_EXEC_TIMEOUT": "60",
+                                     "AHCOMM_CONNECT_TIMEOUT": "60", **(env or {})}, timeout=timeout, tag=tag)
 
 
 def shm_names() -> set[str]:

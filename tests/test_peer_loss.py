@@ -11,10 +11,8 @@ pending or next collective must fail with a PeerFailure naming it within 5 s.
 from __future__ import annotations
 
 import asyncio
-import os
 import re
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -22,13 +20,13 @@ import pytest
 
 from ahcomm import PeerFailure
 from ahcomm._buffers import CclBuffers
-from ahcomm.transports import _wire, _zmq
+from ahcomm.transports import _zmq
 from ahcomm.transports._auth import Credentials
 from ahcomm.transports._zmq import Channel
 from ahcomm.transports.base import Signal
 from ahcomm.transports.rdma import RdmaLink
+from jobs import run_job
 
-ROOT = Path(__file__).parent.parent
 SECRET = "peer-loss-test-secret-0123456789"
 DETECT_LIMIT = 5.0  # seconds from a peer's death to the survivors' PeerFailure
 
@@ -194,10 +192,9 @@ asyncio.run(main())
 def _launch(tmp_path: Path, n: int, scenario: str, transport: str, **env: str) -> subprocess.CompletedProcess[str]:
     script = tmp_path / "loss_worker.py"
     script.write_text(WORKER)
-    full_env = {**os.environ, "AHCOMM_BUFFSIZE": "1", "AHCOMM_EXEC_TIMEOUT": "60", "AHCOMM_CONNECT_TIMEOUT": "60",
-                "AHCOMM_TRANSPORT": transport, "SCENARIO": scenario, "KILL_FILE": str(tmp_path / "killed"), **env}
-    argv = [sys.executable, "-m", "ahcomm.run", "-n", str(n), "--grace", "20", "--tag-output", str(script)]
-    return subprocess.run(argv, env=full_env, capture_output=True, text=True, timeout=120, cwd=ROOT)
+    return run_job(n, str(script), grace=20, env={
+        "AHCOMM_BUFFSIZE": "1", "AHCOMM_EXEC_TIMEOUT": "60", "AHCOMM_CONNECT_TIMEOUT": "60",
+        "AHCOMM_TRANSPORT": transport, "SCENARIO": scenario, "KILL_FILE": str(tmp_path / "killed"), **env})
 
 
 def _check(proc: subprocess.CompletedProcess[str], n: int, scenario: str, transport: str) -> list[float]:
@@ -259,9 +256,7 @@ asyncio.run(main())
 def test_closing_normally_reports_no_loss(tmp_path: Path, transport: str) -> None:
     script = tmp_path / "clean.py"
     script.write_text(CLEAN)
-    env = {**os.environ, "AHCOMM_BUFFSIZE": "0.0625", "AHCOMM_TRANSPORT": transport}
-    proc = subprocess.run([sys.executable, "-m", "ahcomm.run", "-n", "3", "--tag-output", str(script)], env=env,
-                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+    proc = run_job(3, str(script), env={"AHCOMM_BUFFSIZE": "0.0625", "AHCOMM_TRANSPORT": transport})
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out
     assert proc.stdout.count("CLOSED") == 3, out

@@ -23,6 +23,7 @@ import ahcomm
 from ahcomm import _buffers, _health
 from ahcomm._collectives import Gathered
 from ahcomm.transports.base import Link
+from jobs import job_argv, job_env, run_job
 
 HERE = Path(__file__).parent
 ROOT = HERE.parent
@@ -513,9 +514,8 @@ def test_stale_shared_memory_of_dead_processes_is_reclaimed_at_the_next_init(tmp
 # -- real processes ------------------------------------------------------------------------
 def launch(n: int, script: Path, *args: str, env: dict[str, str] | None = None,
            timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    full_env = {**os.environ, "AHCOMM_BUFFSIZE": "0.0625", "AHCOMM_CONNECT_TIMEOUT": "60", **(env or {})}
-    argv = [sys.executable, "-m", "ahcomm.run", "-n", str(n), "--tag-output", str(script), *args]
-    return subprocess.run(argv, env=full_env, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    return run_job(n, str(script), *args, env={"AHCOMM_BUFFSIZE": "0.0625", "AHCOMM_CONNECT_TIMEOUT": "60",
+                                               **(env or {})}, timeout=timeout)
 
 
 MISMATCH_RANK = """\
@@ -611,8 +611,8 @@ def test_sigusr1_on_a_stuck_real_job_prints_each_ranks_state(tmp_path: Path, tar
     script = tmp_path / "stuck.py"
     script.write_text(SIGUSR1_RANK)
     release = tmp_path / "release"
-    env = {**os.environ, "AHCOMM_BUFFSIZE": "0.0625", "AHCOMM_EXEC_TIMEOUT": "60", "RELEASE": str(release)}
-    proc = subprocess.Popen([sys.executable, "-m", "ahcomm.run", "-n", "2", "--tag-output", str(script)], env=env,
+    env = job_env({"AHCOMM_BUFFSIZE": "0.0625", "AHCOMM_EXEC_TIMEOUT": "60", "RELEASE": str(release)})
+    proc = subprocess.Popen(job_argv(2, str(script)), env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
     killer = threading.Timer(90, proc.kill)
     killer.start()

@@ -14,8 +14,6 @@ import logging
 import os
 import random
 import re
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -37,8 +35,8 @@ from ahcomm.transports._wire import HEADER, RANK_ID
 from ahcomm.transports._zmq import Channel
 from ahcomm.transports.base import Signal
 from ahcomm.transports.rdma import RdmaLink
+from jobs import run_job
 
-ROOT = Path(__file__).parent.parent
 SECRET = "test-secret-" + "0123456789abcdef" * 2
 PAGE = os.sysconf("SC_PAGE_SIZE")
 
@@ -140,12 +138,8 @@ def test_the_launcher_passes_a_secret_in_the_environment_only(tmp_path: Path) ->
         "cmdlines = [open(f'/proc/{p}/cmdline', 'rb').read() for p in (os.getpid(), os.getppid())]\n"
         "print('SECRET', len(s), hashlib.sha256(s.encode()).hexdigest(), any(s.encode() in c for c in cmdlines),"
         " flush=True)\n")
-    env = {k: v for k, v in os.environ.items() if k != "AHCOMM_JOB_SECRET"}
-
     def run(extra: dict[str, str]) -> list[tuple[str, ...]]:
-        proc = subprocess.run([sys.executable, "-m", "ahcomm.run", "-n", "2", "--tag-output", str(script)],
-                              env={**env, **extra},
-                              capture_output=True, text=True, timeout=60, cwd=ROOT)
+        proc = run_job(2, str(script), env=extra, drop=["AHCOMM_JOB_SECRET"], timeout=60)
         assert proc.returncode == 0, proc.stderr
         return re.findall(r"SECRET (\d+) (\w+) (\w+)", proc.stdout)
 
@@ -505,9 +499,8 @@ asyncio.run(main())
 def test_a_fuzzed_rank_process_survives(tmp_path: Path, transport: str) -> None:
     script = tmp_path / "fuzzer.py"
     script.write_text(FUZZER)
-    env = {**os.environ, "AHCOMM_BUFFSIZE": "1", "AHCOMM_TRANSPORT": transport, "AHCOMM_EXEC_TIMEOUT": "60"}
-    proc = subprocess.run([sys.executable, "-m", "ahcomm.run", "-n", "2", str(script)], env=env,
-                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+    proc = run_job(2, str(script), env={"AHCOMM_BUFFSIZE": "1", "AHCOMM_TRANSPORT": transport,
+                                        "AHCOMM_EXEC_TIMEOUT": "60"}, tag=False)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     found = {rank: (int(rejected), float(growth)) for rank, rejected, growth in
              re.findall(r"RANK (\d) rejected=(\d+) state=up rss_growth_mib=(-?[\d.]+)", proc.stdout)}

@@ -8,7 +8,6 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -16,6 +15,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+from jobs import job_argv, run_job
 
 ROOT = Path(__file__).parent.parent
 EXAMPLES = ROOT / "examples"
@@ -26,9 +27,7 @@ pytestmark = pytest.mark.multiprocess
 
 def launch(n: int, script: str, *args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
     """Run an example on ``n`` ranks; --tag-output keeps the ranks' lines whole ("[rank] line")."""
-    return subprocess.run([sys.executable, "-m", "ahcomm.run", "-n", str(n), "--tag-output", "python",
-                           str(EXAMPLES / script), *args],
-                          cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=ENV)
+    return run_job(n, "python", str(EXAMPLES / script), *args, env=ENV, timeout=timeout)
 
 
 def rank_lines(text: str, rank: int | None = None) -> list[str]:
@@ -82,9 +81,9 @@ def request(port: int, method: str, path: str, body: Any = None, timeout: float 
 def test_async_service_three_replicas() -> None:
     """Replicas take free ports (--port 0) and print them; the test reads them from the output."""
     n, window = 3, 0.8  # rank 0's coalescing window: a /total takes at least this long
-    proc = subprocess.Popen([sys.executable, "-m", "ahcomm.run", "-n", str(n), "--tag-output", "python",
-                             str(EXAMPLES / "async_service.py"), "--port", "0",
-                             "--batch-ms", str(window * 1e3), "--counters", "hits,items", "--heartbeat", "0.2"],
+    proc = subprocess.Popen(job_argv(n, "python", str(EXAMPLES / "async_service.py"), "--port", "0",
+                                     "--batch-ms", str(window * 1e3), "--counters", "hits,items",
+                                     "--heartbeat", "0.2"),
                             cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
     output: list[str] = []
