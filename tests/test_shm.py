@@ -100,10 +100,11 @@ def test_a_dev_shm_already_full_is_an_error_not_sigbus(tmp_path: Path) -> None:
     ENOSPC before anything is mapped (before: SIGBUS at the first touch of a page)."""
     done = small_shm_job(tmp_path, 2, {"AHCOMM_BUFFSIZE": "4"}, prefill_mib=60)
     assert "signal 7" not in done.stderr, done.stderr
-    raised = _lines(done.stdout, 2, "raised")
-    assert raised and all("ConfigError: not enough shared memory" in line for line in raised), \
-        done.stdout + done.stderr
-    assert "could not reserve" in raised[0] and "MiB free" in raised[0]
+    raised = _lines(done.stdout, 2, "raised")  # 4 MiB free, and each rank needs 8: both fail
+    assert [line[:6] for line in raised] == ["rank 0", "rank 1"], done.stdout + done.stderr
+    for line in raised:
+        assert "ConfigError: not enough shared memory for the CCL buffers: /dev/shm is 64 MiB" in line, line
+        assert "this rank could not reserve its part of 2 rank(s) on this host x 2 buffers x 4 MiB" in line, line
 
 
 def test_reserving_a_segment_that_does_not_fit_unlinks_it(monkeypatch: pytest.MonkeyPatch) -> None:
