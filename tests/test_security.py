@@ -199,9 +199,31 @@ async def test_peers_without_the_secret_are_refused_in_the_handshake(encrypt: bo
     assert any("from 127.0.0.1" in m and secret_hint in m for m in refusals), refusals  # tcp, via ZAP
     assert any("from localhost:" in m and secret_hint in m for m in refusals), refusals  # ipc (pid:uid:gid), ZAP
     assert any("unknown address" in m for m in refusals), refusals  # no or other mechanism: before ZAP
-    stats = comms[0].stats()["links"][1]
-    assert stats["endpoint_rejected_handshakes"] >= len(attackers) and stats["state"] == "up"
+    stats = comms[0].stats()
+    assert stats["endpoint"]["rejected_handshakes"] >= len(attackers) and stats["links"][1]["state"] == "up"
     for sock in attackers:
+        sock.close(0)
+    await works(comms)
+    await close_all(comms)
+
+
+async def test_endpoint_counters_are_reported_once_not_per_link() -> None:
+    """Refused handshakes and strangers' messages belong to the rank's endpoint, not to any link:
+    ``stats()`` gives them once (``endpoint``); a link counts only what its own peer sent."""
+    comms = await job(3, transport="rdma")
+    ch = channel_of(comms[0])
+    wrong = Credentials.derive("another-secret-0123456789abcdef")
+    attackers = [dealer(ch.endpoints["tcp"], wrong, RANK_ID.pack(1)) for _ in range(3)]
+    stranger = dealer(ch.endpoints["tcp"], ch.creds, RANK_ID.pack(9))
+    stranger.send(HEADER.pack(_wire.MSG_SIGNAL, 0, 0, 0, 0, 0, 0))
+    await until(lambda: ch.rejected_handshakes >= 3 and ch.rejected >= 1)
+    stats = comms[0].stats()
+    assert stats["endpoint"] == {"rejected_messages": 1, "rejected_handshakes": ch.rejected_handshakes,
+                                 "late_messages": 0}, stats
+    for peer, link in stats["links"].items():
+        assert link["rejected_messages"] == 0, (peer, link)
+        assert not any(key.startswith("endpoint") for key in link), link  # nothing endpoint-wide per link
+    for sock in (*attackers, stranger):
         sock.close(0)
     await works(comms)
     await close_all(comms)
@@ -334,11 +356,14 @@ MALFORMED = {
 @pytest.mark.parametrize("case", list(MALFORMED))
 async def test_a_malformed_message_from_a_peer_fails_only_its_link(case: str) -> None:
     ch, link1, link2, as1, as2 = await _channel_with_peer()
+    broken: list[tuple[int, str]] = []  # the communicator's hook: it fails the communicator on every rank
+    link1.on_broken = link2.on_broken = lambda peer, reason: broken.append((peer, reason))
     waiter = asyncio.ensure_future(link1.wait(Signal.DATA, 0, 0))
     as1.send_multipart(MALFORMED[case])
     with pytest.raises(TransportError, match="rejected a message from rank 1") as info:
         await asyncio.wait_for(waiter, 5)
     assert (ch.rejected, link1.rejected) == (1, 1), info.value
+    assert len(broken) == 1 and broken[0][0] == 1 and broken[0][1] in str(info.value), (broken, info.value)
     assert link1.stats()["rejected_messages"] == 1
     as2.send(_h(_wire.MSG_SIGNAL, Signal.DATA, 3, 0, 0, 0))  # the reader goes on; other links are untouched
     await asyncio.wait_for(link2.wait(Signal.DATA, 3, 0), 5)
@@ -485,8 +510,9 @@ async def main():
     for _ in range(3):
         got = await comm.all_reduce(x)
         assert np.all(got == comm.size)
-    link = comm._executor.links[1 - r].stats()
-    print(f"RANK {r} rejected={link['endpoint_rejected_messages']} state={link['state']} "
+    stats = comm.stats()
+    link = stats["links"][1 - r]
+    print(f"RANK {r} rejected={stats['endpoint']['rejected_messages']} state={link['state']} "
           f"rss_growth_mib={(rss() - before) / 2**20:.1f}", flush=True)
     await comm.close()
 

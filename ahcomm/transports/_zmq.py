@@ -205,6 +205,10 @@ class Channel:
                                  link.peer, self.rank, link.peer, error)
             link.fail(TransportError(f"link {link.peer}->{self.rank}: rejected a message from rank {link.peer} "
                                      f"({error}); rank {link.peer} no longer follows the link protocol"))
+            try:  # the communicator fails on every rank: waiting on other links would hang
+                link.peer_broke_protocol(str(error))
+            except Exception:  # noqa: BLE001 - the hook's failure must not kill the reader
+                log.exception("rank %d: on_broken hook failed for rank %d", self.rank, link.peer)
 
     def close(self) -> None:
         """Say goodbye on every link, then release the sockets (no loss is reported from now on)."""
@@ -515,7 +519,8 @@ class ZmqLink(Link):
         out = super().stats()
         state = ("lost" if self.lost_reason is not None else "closed by peer" if self.peer_closed
                  else "up" if self.up else "connecting")
-        out.update(state=state, domain=self.domain, rejected_messages=self.rejected,
-                   endpoint_rejected_messages=self.channel.rejected,
-                   endpoint_rejected_handshakes=self.channel.rejected_handshakes)
+        out.update(state=state, domain=self.domain, rejected_messages=self.rejected)
         return out
+
+    def receiver(self) -> Channel:
+        return self.channel
