@@ -14,6 +14,7 @@ import logging
 import os
 import random
 import re
+import socket
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -39,6 +40,7 @@ from jobs import run_job
 
 SECRET = "test-secret-" + "0123456789abcdef" * 2
 PAGE = os.sysconf("SC_PAGE_SIZE")
+IDLE_CONNECTIONS = 300  # idle TCP connections opened to one rank's endpoint (each end holds a descriptor)
 
 
 def rss() -> int:
@@ -226,6 +228,48 @@ async def test_endpoint_counters_are_reported_once_not_per_link() -> None:
     for sock in (*attackers, stranger):
         sock.close(0)
     await works(comms)
+    await close_all(comms)
+
+
+def open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+async def test_idle_connections_are_closed_after_the_handshake_interval() -> None:
+    """Connections that never start their handshake are closed by the endpoint after
+    HANDSHAKE_TIMEOUT (libzmq's default: 30 s), so a flood of them cannot pile up towards the
+    descriptor limit; the rank keeps working and its descriptors return to where they were."""
+    comms = await job(2, transport="rdma")
+    ch = channel_of(comms[0])
+    await works(comms)
+    host, port = ch.endpoints["tcp"].removeprefix("tcp://").rsplit(":", 1)
+    before_fds, before_refused = open_fds(), ch.rejected_handshakes
+    idle = [socket.create_connection((host, int(port))) for _ in range(IDLE_CONNECTIONS)]  # loopback only
+    for sock in idle:
+        sock.setblocking(False)
+    await works(comms)  # the rank works while they hang on
+
+    def closed_by_server(sock: socket.socket) -> bool:
+        try:
+            return sock.recv(64) == b""
+        except BlockingIOError:
+            return False
+        except ConnectionError:
+            return True
+
+    open_ones = list(idle)
+    deadline = time.monotonic() + 15  # a hang guard (HANDSHAKE_TIMEOUT is 2 s; libzmq's default, 30 s)
+    while open_ones and time.monotonic() < deadline:
+        await asyncio.sleep(0.1)
+        open_ones = [sock for sock in open_ones if not closed_by_server(sock)]
+    assert not open_ones, f"{len(open_ones)} of {len(idle)} idle connections are still open"
+    await until(lambda: ch.rejected_handshakes - before_refused >= len(idle))  # counted as failed handshakes
+    assert open_fds() == before_fds + len(idle)  # only our ends are left: the endpoint closed its own
+    for sock in idle:
+        sock.close()
+    assert open_fds() == before_fds
+    await works(comms)
+    assert comms[0].stats()["endpoint"]["rejected_handshakes"] == ch.rejected_handshakes
     await close_all(comms)
 
 
