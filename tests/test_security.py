@@ -273,11 +273,15 @@ async def test_idle_connections_are_closed_after_the_handshake_interval() -> Non
     await close_all(comms)
 
 
-async def test_a_rank_with_another_secret_fails_fast() -> None:
+@pytest.mark.parametrize("encrypt", [False, True], ids=["plain", "curve"])
+async def test_a_rank_with_another_secret_fails_fast(encrypt: bool) -> None:
+    """PLAIN: the endpoint refuses the password (at once). CURVE: it cannot read the client's
+    handshake and closes it, which the client sees as a failed handshake with no detail (as
+    when a busy endpoint's handshake timer runs out): HANDSHAKE_ATTEMPTS of them in a row."""
     from ahcomm._bootstrap import create
 
     port = free_port()
-    base = dataclasses.replace(Config.from_env({}), buffsize=1 << 20)
+    base = dataclasses.replace(Config.from_env({}), buffsize=1 << 20, encrypt=encrypt)
     good = dataclasses.replace(base, job_secret=SECRET, connect_timeout=4)
     bad = dataclasses.replace(base, job_secret="another-secret-0123456789abcdef", connect_timeout=60)
     start = time.monotonic()
