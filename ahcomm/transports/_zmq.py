@@ -66,7 +66,7 @@ LOG_EVERY = 10.0  # seconds between two warnings about messages from one identit
 HANDSHAKE_TIMEOUT = 2.0
 # A connection attempt that fails its handshake without a refusal (the server's timer above,
 # a CURVE key it cannot read) is retried by libzmq; this many in a row fail the link.
-HANDSHAKE_ATTEMPTS = 3
+HANDSHAKE_ATTEMPTS = 5
 
 log = logging.getLogger("ahcomm.transport")
 security_log = logging.getLogger("ahcomm.security")
