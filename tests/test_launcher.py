@@ -1,0 +1,160 @@
+"""ahcomm-run as a process supervisor: its ranks die with it, signals reach them, output is tagged,
+mistakes on its command line are one line, and torch.distributed scripts run under it unchanged."""
+
+from __future__ import annotations
+
+import io
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from ahcomm._runproc import Tagger
+from jobs import ROOT, job_env
+
+pytestmark = pytest.mark.multiprocess
+
+SLEEPER = """
+import asyncio, os
+async def main():
+    print("pid", os.getpid(), flush=True)
+    await asyncio.sleep(120)
+asyncio.run(main())
+"""
+
+
+def launcher(*args: str, ignore_sigint: bool = False) -> "subprocess.Popen[str]":
+    """``python -m ahcomm.run ARGS`` in the background; ``ignore_sigint`` as a shell's background job starts it."""
+    def setup() -> None:
+        if ignore_sigint:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+    return subprocess.Popen([sys.executable, "-m", "ahcomm.run", *args], env=job_env(), cwd=ROOT, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=setup)
+
+
+def rank_pids(proc: "subprocess.Popen[str]", n: int) -> list[int]:
+    assert proc.stdout is not None
+    pids = []
+    while len(pids) < n:
+        line = proc.stdout.readline()
+        assert line, f"the launcher ended early: {proc.stderr.read() if proc.stderr else ''}"
+        match = re.search(r"pid (\d+)", line)
+        if match:
+            pids.append(int(match.group(1)))
+    return pids
+
+
+def alive(pid: int) -> bool:
+    """Running (a zombie waiting for a reaper counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def wait_gone(pids: list[int], seconds: float) -> list[int]:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline and any(alive(p) for p in pids):
+        time.sleep(0.05)
+    return [p for p in pids if alive(p)]
+
+
+def kill_all(pids: list[int]) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the parent-death signal is Linux's")
+def test_killing_the_launcher_ends_its_ranks() -> None:
+    proc = launcher("-n", "2", "python", "-c", SLEEPER)
+    pids = rank_pids(proc, 2)
+    try:
+        proc.kill()  # SIGKILL: the launcher cannot pass anything on
+        proc.wait(timeout=10)
+        assert wait_gone(pids, 5.0) == [], "ranks outlived their launcher"
+    finally:
+        kill_all(pids)
+
+
+def test_sigint_reaches_ranks_started_from_a_background_job() -> None:
+    """SIGINT inherited as ignored (``prog &`` in a script): ``kill -INT`` on the launcher still
+    stops every rank, and each says KeyboardInterrupt in one line, not a traceback."""
+    proc = launcher("-n", "2", "python", "-c", SLEEPER, ignore_sigint=True)
+    pids = rank_pids(proc, 2)
+    try:
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=20)
+        assert wait_gone(pids, 5.0) == []
+    finally:
+        kill_all(pids)
+        proc.kill()
+    assert sorted(re.findall(r"^\[(\d)\] KeyboardInterrupt$", err, re.M)) == ["0", "1"], err
+    assert "Traceback" not in err, err
+
+
+def test_output_is_tagged_when_ranks_share_it() -> None:
+    program = ["python", "-c", "import os; print('hi from', os.environ['AHCOMM_RANK'])"]
+    tagged = subprocess.run([sys.executable, "-m", "ahcomm.run", "-n", "2", *program], env=job_env(), cwd=ROOT,
+                            capture_output=True, text=True, timeout=60)
+    assert sorted(tagged.stdout.splitlines()) == ["[0] hi from 0", "[1] hi from 1"], tagged
+    plain = subprocess.run([sys.executable, "-m", "ahcomm.run", "-n", "2", "--no-tag-output", *program],
+                           env=job_env(), cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert plain.stdout.count("hi from") == 2 and "[" not in plain.stdout, plain  # lines may interleave
+    alone = subprocess.run([sys.executable, "-m", "ahcomm.run", "-n", "1", *program], env=job_env(), cwd=ROOT,
+                           capture_output=True, text=True, timeout=60)
+    assert alone.stdout == "hi from 0\n", alone
+
+
+def test_command_line_mistakes_are_one_line() -> None:
+    def run(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "ahcomm.run", *args], env=job_env(), cwd=ROOT,
+                              capture_output=True, text=True, timeout=60)
+
+    no_n = run("python", "-c", "pass")
+    assert no_n.returncode == 2 and "-n is required" in no_n.stderr, no_n
+    missing = run("-n", "2", "nosuchcmd-ahcomm")
+    assert missing.returncode == 127, missing
+    assert missing.stderr.strip() == "ahcomm-run: cannot start 'nosuchcmd-ahcomm': No such file or directory"
+
+
+def test_tagger_keeps_other_tracebacks_whole() -> None:
+    out = io.BytesIO()
+    tagger = Tagger(b"[3] ", out)
+    lines = [b"Traceback (most recent call last):\n", b'  File "x.py", line 1, in <module>\n', b"ValueError: bad\n",
+             b"after\n", b"Traceback (most recent call last):\n", b"  File \"y\"\n", b"CancelledError\n", b"\n",
+             b"During handling of the above exception, another exception occurred:\n", b"\n",
+             b"Traceback (most recent call last):\n", b"  File \"z\"\n", b"KeyboardInterrupt\n"]
+    for line in lines:
+        tagger.line(line)
+    tagger.flush()
+    assert out.getvalue().decode().splitlines() == [
+        "[3] Traceback (most recent call last):", '[3]   File "x.py", line 1, in <module>', "[3] ValueError: bad",
+        "[3] after", "[3] KeyboardInterrupt"]
+
+
+GLOO = """
+import datetime, os, torch, torch.distributed as dist
+dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+t = torch.tensor([dist.get_rank() + 1.0])
+dist.all_reduce(t)
+print("torch", dist.get_rank(), dist.get_world_size(), os.environ["LOCAL_RANK"], int(t.item()), flush=True)
+dist.destroy_process_group()
+"""
+
+
+def test_a_torch_distributed_script_runs_unchanged_under_ahcomm_run() -> None:
+    pytest.importorskip("torch.distributed")
+    proc = subprocess.run([sys.executable, "-m", "ahcomm.run", "-n", "2", "python", "-c", GLOO],
+                          env=job_env(drop=["RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"]), cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert sorted(proc.stdout.splitlines()) == ["[0] torch 0 2 0 3", "[1] torch 1 2 1 3"], proc.stdout
+
