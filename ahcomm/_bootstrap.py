@@ -19,7 +19,8 @@ from . import _trace
 from ._comm import Comm
 from ._config import Config
 from ._errors import ConfigError, ConnectError
-from ._rendezvous import host_identity, interface_addresses, local_address, match_interface, register, serve
+from ._rendezvous import (LINGER, REPLY_SLACK, host_identity, interface_addresses, local_address, match_interface,
+                          register, serve)
 from .algorithms import REGISTRY
 from .algorithms._cost import CostModel
 from .algorithms._cost import load as load_cost_model
@@ -151,18 +152,24 @@ async def _agree(comm: Comm, single_copy: bool, tracing: bool) -> tuple[bool, bo
 
 async def _rendezvous(rank: int, size: int, port: int, cfg: Config, info: dict[str, Any],
                       creds: Credentials) -> list[dict[str, Any]]:
-    """Register with rank 0 (rank 0 also serves); a failure of either side surfaces at once."""
-    client = asyncio.ensure_future(register(cfg.master_addr, port, info, cfg.connect_timeout, creds))
+    """Register with rank 0 (rank 0 also serves); a failure of either side surfaces at once.
+    Rank 0's server names what went wrong, so a rank waits a little longer than it does and
+    rank 0's own registration waits for its server's verdict."""
     if rank != 0:
-        return await client
+        return await register(cfg.master_addr, port, info, cfg.connect_timeout + REPLY_SLACK, creds)
     server = asyncio.ensure_future(serve(cfg.master_addr, port, size, cfg.connect_timeout, creds))
+    client = asyncio.ensure_future(register(cfg.master_addr, port, info, None, creds))
     done, _ = await asyncio.wait({client, server}, return_when=asyncio.FIRST_EXCEPTION)
-    for task in done:
-        if task.exception() is not None:
-            for other in (client, server):
-                other.cancel()
-            await asyncio.gather(client, server, return_exceptions=True)
-            raise task.exception()  # type: ignore[misc]
+    if server in done and server.exception() is not None:
+        client.cancel()
+        await asyncio.gather(client, return_exceptions=True)
+        raise server.exception()  # type: ignore[misc]
+    if client.done() and client.exception() is not None:
+        # rank 0's verdict: its server still tells ranks that register late, then ends
+        await asyncio.wait({server}, timeout=LINGER + 1)
+        server.cancel()
+        await asyncio.gather(server, return_exceptions=True)
+        raise client.exception()  # type: ignore[misc]
     await server
     return await client
 
