@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import socket
 from dataclasses import dataclass, field
 from typing import Any
@@ -121,7 +122,9 @@ def check_reply(reply: Any, size: int) -> dict[str, Any]:
 
 
 def host_identity(override: str | None = None) -> str:
-    """This server's identity: AHCOMM_SERVER_ID if set, else hostname + boot id."""
+    """This server's identity: AHCOMM_SERVER_ID if set, else hostname + boot id + network
+    namespace. Ranks with one identity share a kernel *and* a network (ipc endpoints are
+    abstract sockets, which a network namespace does not share), so sdma links can reach them."""
     if override:
         return override
     try:
@@ -129,7 +132,11 @@ def host_identity(override: str | None = None) -> str:
             boot = f.read().strip()
     except OSError:
         boot = "noboot"
-    return f"{socket.gethostname()}/{boot}"
+    try:
+        netns = f"/net{os.stat('/proc/self/ns/net').st_ino}"
+    except OSError:
+        netns = ""
+    return f"{socket.gethostname()}/{boot}{netns}"
 
 
 def interface_addresses() -> list[tuple[str, str]]:
