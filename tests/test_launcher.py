@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -158,3 +159,29 @@ def test_a_torch_distributed_script_runs_unchanged_under_ahcomm_run() -> None:
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert sorted(proc.stdout.splitlines()) == ["[0] torch 0 2 0 3", "[1] torch 1 2 1 3"], proc.stdout
 
+
+
+TORCHRUN_PROGRAM = """
+import asyncio, numpy as np, ahcomm
+async def main():
+    for _ in range(2):  # each init() meets on a port of its own
+        async with await ahcomm.init() as comm:
+            got = await comm.all_reduce(np.full(4, comm.rank + 1.0))
+            print("under torchrun", comm.rank, comm.size, int(got[0]), flush=True)
+asyncio.run(main())
+"""
+
+
+def test_plain_init_under_torchrun_needs_only_the_secret(tmp_path: Path) -> None:
+    """torchrun's agent holds MASTER_PORT with its store: ahcomm meets through that store instead."""
+    pytest.importorskip("torch.distributed")
+    script = tmp_path / "prog.py"
+    script.write_text(TORCHRUN_PROGRAM)
+    env = job_env({"AHCOMM_JOB_SECRET": "torchrun-test-secret-0123456789", "AHCOMM_BUFFSIZE": "0.0625",
+                   "AHCOMM_CONNECT_TIMEOUT": "30", "PYTHONPATH": str(ROOT)},
+                  drop=[k for k in os.environ if k.startswith("AHCOMM_") or k in ("RANK", "WORLD_SIZE", "MASTER_PORT")])
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(script)],
+                          env=env, cwd=tmp_path, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = re.findall(r"under torchrun (\d) (\d) (\d+)", proc.stdout)
+    assert sorted(lines) == [("0", "2", "3")] * 2 + [("1", "2", "3")] * 2, proc.stdout + proc.stderr
