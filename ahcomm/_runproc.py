@@ -3,7 +3,10 @@
 A rank starts in its own session (a terminal's Ctrl-C reaches the launcher alone, which
 passes it on), with SIGINT and SIGTERM at their defaults (a launcher started from a
 background job inherits SIGINT ignored; its ranks must not), and on Linux with a parent-death
-signal: if the launcher dies, even by SIGKILL, the kernel sends each rank SIGTERM.
+signal: if the launcher dies, even by SIGKILL, the kernel sends each rank SIGTERM. That
+reaches the rank process only; a watchdog (a tiny process of its own, reading a pipe from
+the launcher) also stops each rank's whole process group when the pipe closes without a
+goodbye, so a rank started through a wrapper (``sh -c ...``) ends with its children too.
 
 Output: with tagging on, each line a rank writes is prefixed ``[rank] `` and written whole; a
 traceback that ends in KeyboardInterrupt is shown as one line, ``[rank] KeyboardInterrupt``.
@@ -15,6 +18,7 @@ import asyncio
 import ctypes
 import os
 import signal
+import subprocess
 import sys
 from typing import BinaryIO, Callable
 
@@ -107,3 +111,50 @@ class Tagger:
                 self.flush()
                 return
             self.line(line)
+
+
+_WATCHDOG = """
+import os, signal, sys, time
+groups = []
+for line in sys.stdin:
+    if line == "done\\n":
+        sys.exit(0)
+    groups.append(int(line))
+for sig in (signal.SIGTERM, signal.SIGKILL):
+    for group in groups:
+        try:
+            os.killpg(group, sig)
+        except OSError:
+            pass
+    time.sleep(float(sys.argv[1]) if sig == signal.SIGTERM else 0)
+"""
+
+
+class Watchdog:
+    """Stops the ranks' process groups (SIGTERM, then SIGKILL after ``grace`` s) if the launcher
+    dies without saying goodbye: its pipe closes when the launcher's process ends, however."""
+
+    def __init__(self, grace: float) -> None:
+        self.proc = subprocess.Popen([sys.executable, "-c", _WATCHDOG, str(grace)], stdin=subprocess.PIPE,
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+
+    def watch(self, group: int) -> None:
+        self._send(f"{group}\n")
+
+    def close(self) -> None:
+        """The launcher ends normally: the watchdog goes without touching anything."""
+        self._send("done\n")
+        if self.proc.stdin is not None:
+            self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+    def _send(self, line: str) -> None:
+        try:
+            assert self.proc.stdin is not None
+            self.proc.stdin.write(line.encode())
+            self.proc.stdin.flush()
+        except (OSError, ValueError):
+            pass  # the watchdog is gone: the parent-death signal still covers the ranks

@@ -31,7 +31,7 @@ import socket
 import sys
 from typing import Sequence
 
-from ._runproc import Tagger, child_setup
+from ._runproc import Tagger, Watchdog, child_setup
 
 GRACE_SECONDS = 3.0
 SECRET_VAR = "AHCOMM_JOB_SECRET"
@@ -131,6 +131,7 @@ async def launch(nprocs: int, program: Sequence[str], *, tag_output: bool | None
     # by it; a communicator installs its own handler.
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     setup = child_setup()
+    watchdog = Watchdog(grace)
     status = 0
     try:
         for local in range(nprocs):
@@ -144,6 +145,7 @@ async def launch(nprocs: int, program: Sequence[str], *, tag_output: bool | None
                 print(f"ahcomm-run: cannot start {argv[0]!r}: {exc.strerror or exc}", file=sys.stderr, flush=True)
                 return 127 if isinstance(exc, FileNotFoundError) else 126
             procs.append(proc)
+            watchdog.watch(proc.pid)  # its process group (start_new_session)
             if tag:
                 assert proc.stdout is not None and proc.stderr is not None
                 prefix = f"[{rank}] ".encode()
@@ -170,6 +172,7 @@ async def launch(nprocs: int, program: Sequence[str], *, tag_output: bool | None
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1):
             loop.remove_signal_handler(sig)
         _signal_all(procs, signal.SIGKILL)
+        watchdog.close()
         if pumps:
             await asyncio.gather(*pumps, return_exceptions=True)
     return status

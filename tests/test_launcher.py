@@ -85,6 +85,19 @@ def test_killing_the_launcher_ends_its_ranks() -> None:
         kill_all(pids)
 
 
+def test_killing_the_launcher_ends_ranks_started_through_a_wrapper() -> None:
+    """``sh -c 'python ...; true'`` forks python: the parent-death signal reaches sh alone, the
+    launcher's watchdog stops the whole process group."""
+    proc = launcher("-n", "2", "sh", "-c", f"{sys.executable} -c '{SLEEPER.strip()}'; true")
+    pids = rank_pids(proc, 2)
+    try:
+        proc.kill()
+        proc.wait(timeout=10)
+        assert wait_gone(pids, 5.0) == [], "ranks outlived their launcher"
+    finally:
+        kill_all(pids)
+
+
 def test_sigint_reaches_ranks_started_from_a_background_job() -> None:
     """SIGINT inherited as ignored (``prog &`` in a script): ``kill -INT`` on the launcher still
     stops every rank, and each says KeyboardInterrupt in one line, not a traceback."""
