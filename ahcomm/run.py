@@ -100,10 +100,11 @@ def _signal_all(procs: list[asyncio.subprocess.Process], sig: int) -> None:
 async def launch(nprocs: int, program: Sequence[str], *, tag_output: bool | None = False,
                  master_addr: str = "127.0.0.1", master_port: int | None = None,
                  env: dict[str, str] | None = None, grace: float = GRACE_SECONDS,
-                 first_rank: int = 0, world_size: int | None = None) -> int:
+                 first_rank: int = 0, world_size: int | None = None, watch_stdin: bool = False) -> int:
     """Run ``program`` as ranks ``first_rank .. first_rank + nprocs - 1`` of a job of
     ``world_size`` (default ``nprocs``) ranks on this host; return the job's exit status.
-    ``tag_output`` None: prefix lines with the rank when more than one rank shares the output."""
+    ``tag_output`` None: prefix lines with the rank when more than one rank shares the output.
+    ``watch_stdin``: the end of standard input (the ssh connection of ``-H``'s launcher) stops the job."""
     port = master_port or free_port(master_addr)
     size = nprocs if world_size is None else world_size
     tag = nprocs > 1 if tag_output is None else tag_output
@@ -153,6 +154,19 @@ async def launch(nprocs: int, program: Sequence[str], *, tag_output: bool | None
                 pumps.append(asyncio.ensure_future(Tagger(prefix, sys.stderr.buffer).pump(proc.stderr)))
         if interrupted:  # a signal came while the ranks were starting
             _signal_all(procs, interrupted[-1])
+        if watch_stdin:
+            stdin = sys.stdin.fileno()
+
+            def on_stdin() -> None:
+                try:
+                    data = os.read(stdin, 4096)
+                except OSError:
+                    data = b""
+                if not data:  # the launcher that started us over ssh is gone
+                    loop.remove_reader(stdin)
+                    forward(signal.SIGTERM)
+
+            loop.add_reader(stdin, on_stdin)
         # SIGUSR1 asks every rank to print its state (which op it is in): passed on, not a stop.
         loop.add_signal_handler(signal.SIGUSR1, _signal_all, procs, signal.SIGUSR1)
         waiters = {asyncio.ensure_future(p.wait()): rank for rank, p in enumerate(procs)}
@@ -171,6 +185,8 @@ async def launch(nprocs: int, program: Sequence[str], *, tag_output: bool | None
     finally:
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1):
             loop.remove_signal_handler(sig)
+        if watch_stdin:
+            loop.remove_reader(sys.stdin.fileno())
         _signal_all(procs, signal.SIGKILL)
         watchdog.close()
         if pumps:
@@ -228,11 +244,13 @@ async def launch_hosts(hosts: list[tuple[str, int]], program: Sequence[str], *, 
                   "--master-port", str(port), "--grace", str(grace), "--tag-output" if tag else "--no-tag-output",
                   *command_line(program)]
         line = f"cd {shlex.quote(os.getcwd())} && exec {shlex.join(remote)}"
-        proc = await asyncio.create_subprocess_exec(*rsh, host, line, stdin=asyncio.subprocess.PIPE, env=env)
+        # stdin stays open: its end tells the remote launcher that this one is gone (and the
+        # parent-death signal ends ssh if this launcher is killed)
+        proc = await asyncio.create_subprocess_exec(*rsh, host, line, stdin=asyncio.subprocess.PIPE, env=env,
+                                                    preexec_fn=child_setup())
         assert proc.stdin is not None
         proc.stdin.write(env[SECRET_VAR].encode() + b"\n")
         await proc.stdin.drain()
-        proc.stdin.close()
         procs.append(proc)
         first += slots
     status = 0
@@ -245,7 +263,14 @@ async def launch_hosts(hosts: list[tuple[str, int]], program: Sequence[str], *, 
                 status = fut.result() if fut.result() > 0 else 128 - fut.result()
                 print(f"ahcomm-run: the ranks on {waiters[fut]} failed (status {fut.result()}); stopping the others",
                       file=sys.stderr, flush=True)
-                _signal_all(procs, signal.SIGTERM)
+                for proc in procs:  # the end of its stdin stops a remote launcher, however ssh passes signals
+                    if proc.stdin is not None:
+                        proc.stdin.close()
+                    if proc.returncode is None:
+                        proc.terminate()
+    for proc in procs:
+        if proc.stdin is not None:
+            proc.stdin.close()
     return status
 
 
@@ -300,7 +325,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     size = args.world_size if args.world_size is not None else args.nnodes * args.nproc
     sys.exit(asyncio.run(launch(args.nproc, args.program, tag_output=args.tag_output,
                                 master_addr=args.master_addr or "127.0.0.1", master_port=args.master_port,
-                                grace=args.grace, first_rank=first, world_size=size)))
+                                grace=args.grace, first_rank=first, world_size=size,
+                                watch_stdin=args.secret_stdin)))
 
 
 if __name__ == "__main__":

@@ -98,6 +98,29 @@ def test_killing_the_launcher_ends_ranks_started_through_a_wrapper() -> None:
         kill_all(pids)
 
 
+FORKING_RSH = """
+import subprocess, sys
+sys.exit(subprocess.call(["sh", "-c", sys.argv[2]]))  # like ssh: the remote command is not our child's exec
+"""
+
+
+def test_killing_the_launcher_ends_the_ranks_it_started_over_rsh(tmp_path: Path) -> None:
+    """``-H``: the remote launcher watches its standard input (the ssh connection); when the
+    local launcher dies, that input ends and the remote ranks are stopped."""
+    rsh = tmp_path / "rsh.py"
+    rsh.write_text(FORKING_RSH)
+    env = job_env({"AHCOMM_RSH": f"{sys.executable} {rsh}", "PYTHONPATH": str(ROOT)})
+    proc = subprocess.Popen([sys.executable, "-m", "ahcomm.run", "-H", "localhost:2", "python", "-c", SLEEPER],
+                            env=env, cwd=ROOT, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    pids = rank_pids(proc, 2)
+    try:
+        proc.kill()
+        proc.wait(timeout=10)
+        assert wait_gone(pids, 5.0) == [], "remote ranks outlived the launcher that started them"
+    finally:
+        kill_all(pids)
+
+
 def test_sigint_reaches_ranks_started_from_a_background_job() -> None:
     """SIGINT inherited as ignored (``prog &`` in a script): ``kill -INT`` on the launcher still
     stops every rank, and each says KeyboardInterrupt in one line, not a traceback."""
