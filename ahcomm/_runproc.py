@@ -62,6 +62,16 @@ def _is_frame(line: bytes) -> bool:
     return line[:1] in (b" ", b"\t") or not line.strip() or line.startswith(_CHAIN)
 
 
+async def _next_line(stream: asyncio.StreamReader) -> bytes:
+    """A line; a line over the reader's limit comes in pieces, nothing is dropped; b"" at the end."""
+    try:
+        return await stream.readuntil(b"\n")
+    except asyncio.IncompleteReadError as exc:
+        return exc.partial
+    except asyncio.LimitOverrunError as exc:
+        return await stream.read(max(exc.consumed, 1))
+
+
 class Tagger:
     """One rank's stream, written line by line to ``out`` with ``prefix``."""
 
@@ -101,9 +111,9 @@ class Tagger:
         while True:
             try:
                 if self.held:
-                    line = await asyncio.wait_for(stream.readline(), HOLD_SECONDS)
+                    line = await asyncio.wait_for(_next_line(stream), HOLD_SECONDS)
                 else:
-                    line = await stream.readline()
+                    line = await _next_line(stream)
             except asyncio.TimeoutError:
                 self.flush()
                 continue

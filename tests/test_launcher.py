@@ -150,6 +150,16 @@ def test_output_is_tagged_when_ranks_share_it() -> None:
     assert alone.stdout == "hi from 0\n", alone
 
 
+def test_tagging_passes_a_line_longer_than_the_reader_limit_whole() -> None:
+    program = ["python", "-c", "import sys; sys.stdout.write('x' * 200000 + '\\n'); print('end')"]
+    proc = subprocess.run([sys.executable, "-m", "ahcomm.run", "-n", "2", *program], env=job_env(), cwd=ROOT,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    for rank in (0, 1):
+        mine = [line[4:] for line in proc.stdout.splitlines() if line.startswith(f"[{rank}] ")]
+        assert "".join(mine) == "x" * 200000 + "end", (rank, [len(m) for m in mine])
+
+
 def test_command_line_mistakes_are_one_line() -> None:
     def run(*args: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run([sys.executable, "-m", "ahcomm.run", *args], env=job_env(), cwd=ROOT,
