@@ -18,8 +18,10 @@ from ._buffers import CclBuffers
 from . import _trace
 from ._comm import Comm
 from ._config import Config
+from ._torchrun import StorePort
 from ._errors import ConfigError, ConnectError
-from ._rendezvous import host_identity, interface_addresses, local_address, match_interface, register, serve
+from ._rendezvous import (LINGER, REPLY_SLACK, host_identity, interface_addresses, local_address, match_interface,
+                          register, serve)
 from .algorithms import REGISTRY
 from .algorithms._cost import CostModel
 from .algorithms._cost import load as load_cost_model
@@ -77,6 +79,7 @@ async def create(config: Config | None = None, *, rank: int | None = None, world
                  master_addr: str | None = None, master_port: int | None = None) -> Comm:
     """Join the job described by ``config`` (default: the environment) and return a Comm."""
     cfg, rank, size, port = _resolve_config(config, rank, world_size, master_addr, master_port)
+    use_store = cfg.torch_store and master_port is None  # torchrun's agent holds MASTER_PORT
     host = host_identity(cfg.server_id)
     shared = cfg.transport != "rdma" and size > 1
     if shared:  # the default size shrinks to fit a small /dev/shm; a chosen one is kept or refused
@@ -105,7 +108,8 @@ async def create(config: Config | None = None, *, rank: int | None = None, world
             }
             if rank == 0:  # every rank selects algorithms with rank 0's cost model
                 info["tuning"] = cost_model.to_dict()
-            table = await _rendezvous(rank, size, port, cfg, info, creds)
+            store = StorePort(cfg.master_addr, port, cfg.connect_timeout) if use_store else None
+            table = await _rendezvous(rank, size, port, cfg, info, creds, store)
             links = _connect(rank, table, channel, cfg, host, progress)
             channel.start()
             await _handshake(rank, links, cfg.connect_timeout)
@@ -155,19 +159,42 @@ async def _agree(comm: Comm, single_copy: bool, tracing: bool) -> tuple[bool, bo
 
 
 async def _rendezvous(rank: int, size: int, port: int, cfg: Config, info: dict[str, Any],
-                      creds: Credentials) -> list[dict[str, Any]]:
-    """Register with rank 0 (rank 0 also serves); a failure of either side surfaces at once."""
-    client = asyncio.ensure_future(register(cfg.master_addr, port, info, cfg.connect_timeout, creds))
+                      creds: Credentials, store: StorePort | None = None) -> list[dict[str, Any]]:
+    """Register with rank 0 (rank 0 also serves); a failure of either side surfaces at once.
+    Rank 0's server names what went wrong, so a rank waits a little longer than it does and
+    rank 0's own registration waits for its server's verdict. With ``store`` (torchrun's),
+    rank 0 serves on a free port and publishes it there."""
     if rank != 0:
-        return await client
-    server = asyncio.ensure_future(serve(cfg.master_addr, port, size, cfg.connect_timeout, creds))
+        if store is not None:
+            port = await store.fetch(rank)
+        return await register(cfg.master_addr, port, info, cfg.connect_timeout + REPLY_SLACK, creds)
+    bound: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+    server = asyncio.ensure_future(serve(cfg.master_addr, 0 if store else port, size, cfg.connect_timeout, creds,
+                                         bound=bound))
+    try:
+        first: list[asyncio.Future[Any]] = [bound, server]
+        await asyncio.wait(first, return_when=asyncio.FIRST_COMPLETED)
+        if not bound.done():
+            await server  # it failed before it bound: raises why
+        port = bound.result()
+        if store is not None:
+            await store.publish(port)
+    except BaseException:
+        server.cancel()
+        await asyncio.gather(server, return_exceptions=True)
+        raise
+    client = asyncio.ensure_future(register(cfg.master_addr, port, info, None, creds))
     done, _ = await asyncio.wait({client, server}, return_when=asyncio.FIRST_EXCEPTION)
-    for task in done:
-        if task.exception() is not None:
-            for other in (client, server):
-                other.cancel()
-            await asyncio.gather(client, server, return_exceptions=True)
-            raise task.exception()  # type: ignore[misc]
+    if server in done and server.exception() is not None:
+        client.cancel()
+        await asyncio.gather(client, return_exceptions=True)
+        raise server.exception()  # type: ignore[misc]
+    if client.done() and client.exception() is not None:
+        # rank 0's verdict: its server still tells ranks that register late, then ends
+        await asyncio.wait({server}, timeout=LINGER + 1)
+        server.cancel()
+        await asyncio.gather(server, return_exceptions=True)
+        raise client.exception()  # type: ignore[misc]
     await server
     return await client
 

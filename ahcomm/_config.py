@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Mapping
 
 from ._errors import ConfigError
+from ._torchrun import agent_store
 
 MiB = 1 << 20
 MIN_SECRET = 16  # characters of AHCOMM_JOB_SECRET
@@ -120,6 +121,7 @@ class Config:
     encrypt: bool = False  # AHCOMM_ENCRYPT=1: CURVE (encrypted) instead of PLAIN authentication
     heartbeat: float = 1.0  # AHCOMM_HEARTBEAT: seconds between ZMTP heartbeats (0 = off); lost after 3 silent
     max_message: int = 1 << 30  # AHCOMM_MAX_MESSAGE: bytes of one point-to-point message
+    torch_store: bool = False  # under torchrun (no AHCOMM_MASTER_PORT): MASTER_PORT is torchrun's store
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> "Config":
@@ -152,6 +154,7 @@ class Config:
             encrypt=_flag(env, "AHCOMM_ENCRYPT", False),
             heartbeat=_float(env, "AHCOMM_HEARTBEAT", 1.0, high=3600, allow_zero=True),
             max_message=_bytes(env, "AHCOMM_MAX_MESSAGE", 1 << 30),
+            torch_store=agent_store(env) and not env.get("AHCOMM_MASTER_PORT"),
         )
 
     def check_security(self, size: int) -> None:

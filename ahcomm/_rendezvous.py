@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import socket
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,6 +28,8 @@ from .transports._auth import AUTH, HANDSHAKE_FAILED, Credentials, Domain, async
 MAX_MESSAGE = 1 << 20  # bytes of one rendezvous frame (a registration, or the table)
 WIRE_SLACK = 4096  # CURVE's framing overhead
 MAX_STR = 4096  # characters of any string in a registration
+LINGER = 10.0  # seconds a failed rendezvous still answers ranks that register late
+REPLY_SLACK = 5.0  # a rank waits this much longer than rank 0, whose answer names the cause
 MAX_DEPTH = 4  # nesting of maps/arrays in the cost model a registration may carry
 ENDPOINT_KINDS = ("ipc", "tcp")
 _UNPACK_LIMITS = dict(max_str_len=MAX_STR, max_bin_len=0, max_array_len=1 << 16, max_map_len=256, max_ext_len=0)
@@ -119,7 +122,9 @@ def check_reply(reply: Any, size: int) -> dict[str, Any]:
 
 
 def host_identity(override: str | None = None) -> str:
-    """This server's identity: AHCOMM_SERVER_ID if set, else hostname + boot id."""
+    """This server's identity: AHCOMM_SERVER_ID if set, else hostname + boot id + network
+    namespace. Ranks with one identity share a kernel *and* a network (ipc endpoints are
+    abstract sockets, which a network namespace does not share), so sdma links can reach them."""
     if override:
         return override
     try:
@@ -127,7 +132,11 @@ def host_identity(override: str | None = None) -> str:
             boot = f.read().strip()
     except OSError:
         boot = "noboot"
-    return f"{socket.gethostname()}/{boot}"
+    try:
+        netns = f"/net{os.stat('/proc/self/ns/net').st_ino}"
+    except OSError:
+        netns = ""
+    return f"{socket.gethostname()}/{boot}{netns}"
 
 
 def interface_addresses() -> list[tuple[str, str]]:
@@ -196,9 +205,35 @@ def _socket(kind: int) -> zmq.asyncio.Socket:
     return sock
 
 
+def _refusals(domain: Domain) -> str:
+    n = domain.rejected_handshakes
+    if not n:
+        return ""
+    return (f"; the rendezvous refused {n} connection{'s' if n > 1 else ''} that did not authenticate (a rank "
+            "started with another AHCOMM_JOB_SECRET or AHCOMM_ENCRYPT? see the ahcomm.security warnings)")
+
+
+def _conflict(info: dict[str, Any], entries: dict[int, dict[str, Any]], size: int) -> str:
+    """Why a registration cannot join this job ("" if it can)."""
+    rank, their_size = info["rank"], info["size"]
+    if their_size != size:
+        return f"rank {rank} registered with world size {their_size}, but rank 0 has {size}"
+    if not 0 <= rank < size:
+        return f"rank {rank} is out of range for world size {size}"
+    if rank in entries:
+        first = entries[rank]
+        return (f"rank {rank} was started twice (pid {first['pid']} on {first['host']}, "
+                f"and pid {info['pid']} on {info['host']})")
+    return ""
+
+
 async def serve(addr: str, port: int, size: int, timeout: float, creds: Credentials | None = None,
-                stats: RendezvousStats | None = None) -> None:
-    """Rank 0: collect ``size`` registrations, check them, send everyone the table."""
+                stats: RendezvousStats | None = None, bound: "asyncio.Future[int] | None" = None) -> None:
+    """Rank 0: collect ``size`` registrations, check them, send everyone the table.
+
+    ``port`` 0 binds a free port, which ``bound`` is given. On a failure (a rank twice, a world
+    size that differs, ranks that never came) every rank that registered gets the cause, and for
+    up to ``LINGER`` seconds so does every rank that registers after it."""
     creds = creds or Credentials("null")
     stats = stats if stats is not None else RendezvousStats()
     domain = AUTH.register("the rendezvous", creds)
@@ -207,55 +242,85 @@ async def serve(addr: str, port: int, size: int, timeout: float, creds: Credenti
     monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
     watcher = asyncio.ensure_future(_count_refusals(monitor, domain))
     entries: dict[int, dict[str, Any]] = {}
+    waiting: list[tuple[bytes, int]] = []  # (identity, rank) of every registration, duplicates too
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
     try:
         try:
             sock.bind(f"tcp://{_resolve(addr)}:{port}")
         except zmq.ZMQError as exc:
-            raise ConnectError(f"rank 0 cannot serve the rendezvous on {addr}:{port}: {exc}") from exc
+            hint = " (is another rank 0 running, or torchrun's store on this port?)" if exc.errno == zmq.EADDRINUSE else ""
+            raise ConnectError(f"rank 0 cannot serve the rendezvous on {addr}:{port}: {exc}{hint}") from exc
         stats.last_endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
-        async with asyncio.timeout(timeout):
-            idents: dict[int, bytes] = {}
-            error = ""
-            while len(entries) < size:
-                frames = await sock.recv_multipart()
-                if len(frames) != 2:
-                    stats.reject(f"a message of {len(frames) - 1} frames (expected 1)")
-                    continue
-                ident, raw = frames
-                try:
-                    info = check_entry(_unpack(raw))
-                except Exception as exc:  # noqa: BLE001 - a stranger's bytes
-                    stats.reject(f"{type(exc).__name__}: {str(exc)[:200]}")
-                    continue
-                rank, their_size = info["rank"], info["size"]
-                if their_size != size or not 0 <= rank < size or rank in entries:
-                    error = error or (f"rank {rank} registered with world size {their_size}"
-                                      f" (rank 0 has {size}), or twice, or out of range")
-                entries[rank] = info
-                idents[rank] = ident
-                if error:
-                    break
-            sizes = {int(e["buffsize"]) for e in entries.values()}
-            if not error and len(sizes) > 1:
-                error = f"ranks disagree on AHCOMM_BUFFSIZE: {sorted(sizes)} bytes"
-            reply = {"error": error} if error else {"table": [entries[r] for r in range(size)]}
-            packed = msgpack.packb(reply)
-            if len(packed) > MAX_MESSAGE:
-                packed = msgpack.packb({"error": f"the table of {size} ranks is over {MAX_MESSAGE} bytes"})
-            for ident in idents.values():
-                await sock.send_multipart([ident, packed])
-    except TimeoutError:
-        missing = sorted(set(range(size)) - set(entries))
-        raise ConnectError(f"rendezvous timed out after {timeout:g} s: ranks {missing} never registered "
-                           "(AHCOMM_CONNECT_TIMEOUT)") from None
-    finally:
+        if bound is not None and not bound.done():
+            bound.set_result(int(stats.last_endpoint.rsplit(":", 1)[1]))
+        error = ""
+        try:
+            async with asyncio.timeout_at(deadline):
+                while len(entries) < size and not error:
+                    received = await _receive(sock, stats)
+                    if received is None:
+                        continue
+                    ident, info = received
+                    waiting.append((ident, info["rank"]))
+                    error = _conflict(info, entries, size)
+                    entries.setdefault(info["rank"], info)
+        except TimeoutError:
+            missing = sorted(set(range(size)) - set(entries))
+            error = (f"rendezvous timed out after {timeout:g} s: ranks {missing} never registered "
+                     f"(AHCOMM_CONNECT_TIMEOUT){_refusals(domain)}")
+            await _answer(sock, waiting, {"error": error})
+            raise ConnectError(error) from None
+        sizes = {int(e["buffsize"]) for e in entries.values()}
+        if not error and len(sizes) > 1:
+            error = f"ranks disagree on AHCOMM_BUFFSIZE: {sorted(sizes)} bytes"
+        reply: dict[str, Any] = {"error": error} if error else {"table": [entries[r] for r in range(size)]}
+        if len(msgpack.packb(reply)) > MAX_MESSAGE:
+            reply = {"error": f"the table of {size} ranks is over {MAX_MESSAGE} bytes"}
+        await _answer(sock, waiting, reply)
+        if reply.get("error"):
+            await _linger(sock, stats, {r for _, r in waiting}, size, reply, min(deadline, loop.time() + LINGER))
+    finally:  # sockets closed before any await (see register)
         watcher.cancel()
-        await asyncio.gather(watcher, return_exceptions=True)
         sock.disable_monitor()
         monitor.close(0)
         sock.close()
         AUTH.unregister(domain)
         stats.rejected_handshakes = domain.rejected_handshakes
+        await asyncio.gather(watcher, return_exceptions=True)
+
+
+async def _receive(sock: zmq.asyncio.Socket, stats: RendezvousStats) -> tuple[bytes, dict[str, Any]] | None:
+    """One registration (None for a malformed message, which is counted and dropped)."""
+    frames = await sock.recv_multipart()
+    if len(frames) != 2:
+        stats.reject(f"a message of {len(frames) - 1} frames (expected 1)")
+        return None
+    try:
+        return frames[0], check_entry(_unpack(frames[1]))
+    except Exception as exc:  # noqa: BLE001 - a stranger's bytes
+        stats.reject(f"{type(exc).__name__}: {str(exc)[:200]}")
+        return None
+
+
+async def _answer(sock: zmq.asyncio.Socket, waiting: list[tuple[bytes, int]], reply: dict[str, Any]) -> None:
+    packed = msgpack.packb(reply)
+    for ident, _ in waiting:
+        await sock.send_multipart([ident, packed])
+
+
+async def _linger(sock: zmq.asyncio.Socket, stats: RendezvousStats, told: set[int], size: int,
+                  reply: dict[str, Any], until: float) -> None:
+    """After a failure: answer ranks that register late with it, until every rank was told."""
+    try:
+        async with asyncio.timeout_at(until):
+            while not set(range(size)) <= told:
+                received = await _receive(sock, stats)
+                if received is not None:
+                    await _answer(sock, [(received[0], received[1]["rank"])], reply)
+                    told.add(received[1]["rank"])
+    except TimeoutError:
+        pass
 
 
 async def _count_refusals(monitor: zmq.asyncio.Socket, domain: Domain) -> None:
@@ -267,25 +332,29 @@ async def _count_refusals(monitor: zmq.asyncio.Socket, domain: Domain) -> None:
             domain.refused(None, HANDSHAKE_FAILED.get(event, "the handshake failed"))
 
 
-async def _refused(monitor: zmq.asyncio.Socket) -> str:
-    """Returns why, once the server refused our handshake."""
+async def _watch(monitor: zmq.asyncio.Socket, connected: list[bool]) -> str:
+    """Returns why, once the server refused our handshake; notes a handshake that succeeded."""
     while True:
         frames = await monitor.recv_multipart()
         if len(frames[0]) == 6:
             event = int.from_bytes(frames[0][:2], "little")
-            if event in HANDSHAKE_FAILED:
+            if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                connected.append(True)
+            elif event in HANDSHAKE_FAILED:
                 return HANDSHAKE_FAILED[event]
 
 
-async def register(addr: str, port: int, info: dict[str, Any], timeout: float,
+async def register(addr: str, port: int, info: dict[str, Any], timeout: float | None,
                    creds: Credentials | None = None) -> list[dict[str, Any]]:
-    """Every rank: send our entry to rank 0 and get the table of all ranks."""
+    """Every rank: send our entry to rank 0 and get the table of all ranks (``timeout`` None:
+    rank 0's own registration, which its server's diagnosis ends)."""
     creds = creds or Credentials("null")
     sock = _socket(zmq.DEALER)
     creds.client(sock)
-    monitor = sock.get_monitor_socket(sum(HANDSHAKE_FAILED))
+    monitor = sock.get_monitor_socket(sum(HANDSHAKE_FAILED) | zmq.EVENT_HANDSHAKE_SUCCEEDED)
     sock.connect(f"tcp://{_resolve(addr)}:{port}")
-    refused = asyncio.ensure_future(_refused(monitor))
+    connected: list[bool] = []
+    refused = asyncio.ensure_future(_watch(monitor, connected))
     answer: asyncio.Future[bytes] | None = None
     try:
         await sock.send(msgpack.packb(info))
@@ -297,20 +366,25 @@ async def register(addr: str, port: int, info: dict[str, Any], timeout: float,
                                f"{refused.result()}; every rank needs the same AHCOMM_JOB_SECRET and AHCOMM_ENCRYPT")
         raw = answer.result()
     except TimeoutError:
+        if connected:
+            raise ConnectError(f"rank {info['rank']}: rank 0's rendezvous at {addr}:{port} took this rank's "
+                               f"registration but sent no answer within {timeout:g} s (did rank 0 die? "
+                               "AHCOMM_CONNECT_TIMEOUT)") from None
         raise ConnectError(f"rank {info['rank']}: no answer from the rendezvous at {addr}:{port} within "
-                           f"{timeout:g} s (is rank 0 running? AHCOMM_CONNECT_TIMEOUT)") from None
-    finally:
+                           f"{timeout:g} s: nothing accepted a connection there (is rank 0 running? is "
+                           "AHCOMM_MASTER_ADDR an address of rank 0's host? AHCOMM_CONNECT_TIMEOUT)") from None
+    finally:  # sockets closed before any await: a cancel here must not leak them (exit would hang)
         for task in (refused, answer):
             if task is not None and not task.done():
                 task.cancel()
-        await asyncio.gather(*(t for t in (refused, answer) if t is not None), return_exceptions=True)
         sock.disable_monitor()
         monitor.close(0)
         sock.close()
+        await asyncio.gather(*(t for t in (refused, answer) if t is not None), return_exceptions=True)
     try:
         reply = check_reply(_unpack(raw), int(info["size"]))
     except Exception as exc:  # noqa: BLE001
         raise ConnectError(f"rank {info['rank']}: malformed answer from the rendezvous: {exc}") from None
     if reply.get("error"):
-        raise ConnectError(f"rendezvous refused rank {info['rank']}: {reply['error']}")
+        raise ConnectError(f"rank {info['rank']}: rank 0's rendezvous failed: {reply['error']}")
     return list(reply["table"])

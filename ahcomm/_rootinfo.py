@@ -61,7 +61,8 @@ def config_from_root_info(token: str, base: Config) -> Config:
         raise ConfigError(f"root_info is not a token from ahcomm.get_root_info() (expected '{PREFIX}...')")
     try:
         addr, port, secret = msgpack.unpackb(base64.urlsafe_b64decode(token[len(PREFIX):]), max_str_len=4096)
-        return dataclasses.replace(base, master_addr=str(addr), master_port=int(port), job_secret=str(secret))
+        return dataclasses.replace(base, master_addr=str(addr), master_port=int(port), job_secret=str(secret),
+                                   torch_store=False)
     except Exception as exc:  # noqa: BLE001 - any malformed token
         raise ConfigError(f"root_info token is damaged: {exc}") from None
 
@@ -96,4 +97,4 @@ def config_from_rank_table(path: str, rank: int, base: Config, master_port: int 
     return dataclasses.replace(
         base, rank=rank, world_size=len(ranks), local_rank=local, local_world_size=len(server["device"]),
         master_addr=address(root_server), master_port=int(port), server_id=str(server["server_id"]),
-        if_ip=address(server))
+        if_ip=address(server), torch_store=False)

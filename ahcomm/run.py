@@ -9,10 +9,15 @@
 Each rank gets AHCOMM_RANK, AHCOMM_WORLD_SIZE, AHCOMM_LOCAL_RANK, AHCOMM_LOCAL_WORLD_SIZE,
 AHCOMM_MASTER_ADDR and AHCOMM_MASTER_PORT, and the job secret AHCOMM_JOB_SECRET: the one
 already in the environment, else a fresh ``secrets.token_hex(32)``. The secret travels in
-the environment only (readable by the same user alone), never on a command line.
-SIGINT/SIGTERM are forwarded to every rank, and SIGUSR1 (each rank prints its state). If a rank fails, the others are stopped
-(SIGTERM, then SIGKILL after ``--grace`` seconds) and ahcomm-run exits with that rank's
-status, naming it.
+the environment only (readable by the same user alone), never on a command line. Each rank
+also gets torchrun's RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and
+MASTER_PORT (a port of its own for torch.distributed's store), so torch scripts run unchanged.
+
+SIGINT/SIGTERM are forwarded to every rank, and SIGUSR1 (each rank prints its state). If a
+rank fails, the others are stopped (SIGTERM, then SIGKILL after ``--grace`` seconds) and
+ahcomm-run exits with that rank's status, naming it. If ahcomm-run itself dies, even by
+SIGKILL, its ranks get SIGTERM (Linux). When several ranks share the output, each line is
+prefixed with ``[rank]`` (``--no-tag-output`` turns that off).
 """
 
 from __future__ import annotations
@@ -25,6 +30,8 @@ import signal
 import socket
 import sys
 from typing import Sequence
+
+from ._runproc import Tagger, Watchdog, child_setup
 
 GRACE_SECONDS = 3.0
 SECRET_VAR = "AHCOMM_JOB_SECRET"
@@ -41,15 +48,33 @@ def free_port(addr: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
+def torch_store_port(addr: str, port: int, *, single_host: bool) -> int:
+    """MASTER_PORT for torch.distributed's store in the ranks: a free port other than ahcomm's
+    rendezvous port on one host; ahcomm's port + 1 on several (every host must agree)."""
+    if not single_host:
+        return port + 1
+    while True:
+        other = free_port(addr)
+        if other != port:
+            return other
+
+
 def rank_env(base: dict[str, str], rank: int, size: int, addr: str, port: int, *, local: int | None = None,
-             local_size: int | None = None) -> dict[str, str]:
+             local_size: int | None = None, torch_port: int | None = None) -> dict[str, str]:
+    """A rank's environment: ahcomm's job layout, and torchrun's names for it (RANK, WORLD_SIZE,
+    LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT = ``torch_port``) so that a
+    torch.distributed script runs unchanged."""
     env = dict(base)
+    local_rank = str(rank if local is None else local)
+    local_world = str(size if local_size is None else local_size)
     env.update({
         "AHCOMM_RANK": str(rank), "AHCOMM_WORLD_SIZE": str(size),
-        "AHCOMM_LOCAL_RANK": str(rank if local is None else local),
-        "AHCOMM_LOCAL_WORLD_SIZE": str(size if local_size is None else local_size),
+        "AHCOMM_LOCAL_RANK": local_rank, "AHCOMM_LOCAL_WORLD_SIZE": local_world,
         "AHCOMM_MASTER_ADDR": addr, "AHCOMM_MASTER_PORT": str(port),
     })
+    if torch_port is not None:
+        env.update({"RANK": str(rank), "WORLD_SIZE": str(size), "LOCAL_RANK": local_rank,
+                    "LOCAL_WORLD_SIZE": local_world, "MASTER_ADDR": addr, "MASTER_PORT": str(torch_port)})
     return env
 
 
@@ -63,17 +88,6 @@ def command_line(program: Sequence[str]) -> list[str]:
     return argv
 
 
-async def _pump(stream: asyncio.StreamReader, rank: int, out: "object") -> None:
-    prefix = f"[{rank}] ".encode()
-    buffer = getattr(out, "buffer")
-    while True:
-        line = await stream.readline()
-        if not line:
-            return
-        buffer.write(prefix + line if line.endswith(b"\n") else prefix + line + b"\n")
-        buffer.flush()
-
-
 def _signal_all(procs: list[asyncio.subprocess.Process], sig: int) -> None:
     for proc in procs:
         if proc.returncode is None:
@@ -83,34 +97,26 @@ def _signal_all(procs: list[asyncio.subprocess.Process], sig: int) -> None:
                 pass
 
 
-async def launch(nprocs: int, program: Sequence[str], *, tag_output: bool = False,
+async def launch(nprocs: int, program: Sequence[str], *, tag_output: bool | None = False,
                  master_addr: str = "127.0.0.1", master_port: int | None = None,
                  env: dict[str, str] | None = None, grace: float = GRACE_SECONDS,
-                 first_rank: int = 0, world_size: int | None = None) -> int:
+                 first_rank: int = 0, world_size: int | None = None, watch_stdin: bool = False) -> int:
     """Run ``program`` as ranks ``first_rank .. first_rank + nprocs - 1`` of a job of
-    ``world_size`` (default ``nprocs``) ranks on this host; return the job's exit status."""
+    ``world_size`` (default ``nprocs``) ranks on this host; return the job's exit status.
+    ``tag_output`` None: prefix lines with the rank when more than one rank shares the output.
+    ``watch_stdin``: the end of standard input (the ssh connection of ``-H``'s launcher) stops the job."""
     port = master_port or free_port(master_addr)
     size = nprocs if world_size is None else world_size
+    tag = nprocs > 1 if tag_output is None else tag_output
+    torch_port = torch_store_port(master_addr, port, single_host=size == nprocs)
     argv = command_line(program)
-    pipe = asyncio.subprocess.PIPE if tag_output else None
+    pipe = asyncio.subprocess.PIPE if tag else None
     procs: list[asyncio.subprocess.Process] = []
     pumps: list[asyncio.Task[None]] = []
     base = dict(os.environ if env is None else env)
     base[SECRET_VAR] = job_secret(base)
-    # Ranks inherit SIGUSR1 ignored: one that has no communicator (yet) to report is not killed
-    # by it; a communicator installs its own handler.
-    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
-    for local in range(nprocs):
-        rank = first_rank + local
-        proc = await asyncio.create_subprocess_exec(
-            *argv, env=rank_env(base, rank, size, master_addr, port, local=local, local_size=nprocs),
-            stdout=pipe, stderr=pipe, start_new_session=True)
-        procs.append(proc)
-        if tag_output:
-            assert proc.stdout is not None and proc.stderr is not None
-            pumps.append(asyncio.ensure_future(_pump(proc.stdout, rank, sys.stdout)))
-            pumps.append(asyncio.ensure_future(_pump(proc.stderr, rank, sys.stderr)))
-
+    if tag:
+        base.setdefault("PYTHONUNBUFFERED", "1")  # lines reach the tagger as they are printed
     loop = asyncio.get_running_loop()
     interrupted: list[int] = []
 
@@ -118,12 +124,51 @@ async def launch(nprocs: int, program: Sequence[str], *, tag_output: bool = Fals
         interrupted.append(sig)
         _signal_all(procs, sig)
 
+    # Handlers first: a caught signal is reset to its default in the ranks at exec (an ignored one
+    # would stay ignored, as SIGINT is in a background job); child_setup resets them as well.
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, forward, sig)
-    # SIGUSR1 asks every rank to print its state (which op it is in): passed on, not a stop.
-    loop.add_signal_handler(signal.SIGUSR1, _signal_all, procs, signal.SIGUSR1)
+    # Ranks inherit SIGUSR1 ignored: one that has no communicator (yet) to report is not killed
+    # by it; a communicator installs its own handler.
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+    setup = child_setup()
+    watchdog = Watchdog(grace)
     status = 0
     try:
+        for local in range(nprocs):
+            rank = first_rank + local
+            rank_vars = rank_env(base, rank, size, master_addr, port, local=local, local_size=nprocs,
+                                 torch_port=torch_port)
+            try:
+                proc = await asyncio.create_subprocess_exec(*argv, env=rank_vars, stdout=pipe, stderr=pipe,
+                                                            start_new_session=True, preexec_fn=setup)
+            except OSError as exc:
+                print(f"ahcomm-run: cannot start {argv[0]!r}: {exc.strerror or exc}", file=sys.stderr, flush=True)
+                return 127 if isinstance(exc, FileNotFoundError) else 126
+            procs.append(proc)
+            watchdog.watch(proc.pid)  # its process group (start_new_session)
+            if tag:
+                assert proc.stdout is not None and proc.stderr is not None
+                prefix = f"[{rank}] ".encode()
+                pumps.append(asyncio.ensure_future(Tagger(prefix, sys.stdout.buffer).pump(proc.stdout)))
+                pumps.append(asyncio.ensure_future(Tagger(prefix, sys.stderr.buffer).pump(proc.stderr)))
+        if interrupted:  # a signal came while the ranks were starting
+            _signal_all(procs, interrupted[-1])
+        if watch_stdin:
+            stdin = sys.stdin.fileno()
+
+            def on_stdin() -> None:
+                try:
+                    data = os.read(stdin, 4096)
+                except OSError:
+                    data = b""
+                if not data:  # the launcher that started us over ssh is gone
+                    loop.remove_reader(stdin)
+                    forward(signal.SIGTERM)
+
+            loop.add_reader(stdin, on_stdin)
+        # SIGUSR1 asks every rank to print its state (which op it is in): passed on, not a stop.
+        loop.add_signal_handler(signal.SIGUSR1, _signal_all, procs, signal.SIGUSR1)
         waiters = {asyncio.ensure_future(p.wait()): rank for rank, p in enumerate(procs)}
         pending = set(waiters)
         while pending:
@@ -140,7 +185,10 @@ async def launch(nprocs: int, program: Sequence[str], *, tag_output: bool = Fals
     finally:
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1):
             loop.remove_signal_handler(sig)
+        if watch_stdin:
+            loop.remove_reader(sys.stdin.fileno())
         _signal_all(procs, signal.SIGKILL)
+        watchdog.close()
         if pumps:
             await asyncio.gather(*pumps, return_exceptions=True)
     return status
@@ -176,7 +224,7 @@ def read_hostfile(path: str) -> list[tuple[str, int]]:
 
 
 async def launch_hosts(hosts: list[tuple[str, int]], program: Sequence[str], *, master_addr: str | None,
-                       master_port: int | None, tag_output: bool, grace: float) -> int:
+                       master_port: int | None, tag_output: bool | None, grace: float) -> int:
     """mpirun's style: one launcher per host, started through AHCOMM_RSH (default ``ssh``);
     the job secret goes to each over its standard input, never on a command line."""
     import shlex
@@ -187,19 +235,22 @@ async def launch_hosts(hosts: list[tuple[str, int]], program: Sequence[str], *, 
     addr = master_addr or hosts[0][0]
     port = master_port or free_port("0.0.0.0" if addr not in ("127.0.0.1", "localhost") else addr)
     size = sum(slots for _, slots in hosts)
+    tag = size > 1 if tag_output is None else tag_output  # every host's output comes to this terminal
     procs: list[asyncio.subprocess.Process] = []
     first = 0
     for node, (host, slots) in enumerate(hosts):
         remote = [sys.executable, "-m", "ahcomm.run", "--secret-stdin", "--nproc-per-node", str(slots),
                   "--first-rank", str(first), "--world-size", str(size), "--master-addr", addr,
-                  "--master-port", str(port), "--grace", str(grace), *(["--tag-output"] if tag_output else []),
+                  "--master-port", str(port), "--grace", str(grace), "--tag-output" if tag else "--no-tag-output",
                   *command_line(program)]
         line = f"cd {shlex.quote(os.getcwd())} && exec {shlex.join(remote)}"
-        proc = await asyncio.create_subprocess_exec(*rsh, host, line, stdin=asyncio.subprocess.PIPE, env=env)
+        # stdin stays open: its end tells the remote launcher that this one is gone (and the
+        # parent-death signal ends ssh if this launcher is killed)
+        proc = await asyncio.create_subprocess_exec(*rsh, host, line, stdin=asyncio.subprocess.PIPE, env=env,
+                                                    preexec_fn=child_setup())
         assert proc.stdin is not None
         proc.stdin.write(env[SECRET_VAR].encode() + b"\n")
         await proc.stdin.drain()
-        proc.stdin.close()
         procs.append(proc)
         first += slots
     status = 0
@@ -212,7 +263,14 @@ async def launch_hosts(hosts: list[tuple[str, int]], program: Sequence[str], *, 
                 status = fut.result() if fut.result() > 0 else 128 - fut.result()
                 print(f"ahcomm-run: the ranks on {waiters[fut]} failed (status {fut.result()}); stopping the others",
                       file=sys.stderr, flush=True)
-                _signal_all(procs, signal.SIGTERM)
+                for proc in procs:  # the end of its stdin stops a remote launcher, however ssh passes signals
+                    if proc.stdin is not None:
+                        proc.stdin.close()
+                    if proc.returncode is None:
+                        proc.terminate()
+    for proc in procs:
+        if proc.stdin is not None:
+            proc.stdin.close()
     return status
 
 
@@ -227,7 +285,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--first-rank", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--world-size", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--secret-stdin", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--tag-output", action="store_true", help="prefix every output line with [rank]")
+    tagging = parser.add_mutually_exclusive_group()
+    tagging.add_argument("--tag-output", dest="tag_output", action="store_true", default=None,
+                         help="prefix every output line with [rank] (the default when several ranks share the output)")
+    tagging.add_argument("--no-tag-output", dest="tag_output", action="store_false",
+                         help="leave the ranks' output as it is")
     parser.add_argument("--master-addr", default=None, help="rendezvous address (rank 0 binds it)")
     parser.add_argument("--master-port", type=int, default=None, help="rendezvous port (default: a free one)")
     parser.add_argument("--grace", type=float, default=GRACE_SECONDS,
@@ -246,7 +308,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         sys.exit(asyncio.run(launch_hosts(hosts, args.program, master_addr=args.master_addr,
                                           master_port=args.master_port, tag_output=args.tag_output,
                                           grace=args.grace)))
-    if args.nproc is None or args.nproc < 1:
+    if args.nproc is None:
+        parser.error("-n is required: how many ranks to start on this host (e.g. -n 4)")
+    if args.nproc < 1:
         parser.error("-n / --nproc-per-node must be at least 1")
     multi = args.nnodes > 1 or args.first_rank is not None
     if multi:
@@ -261,7 +325,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     size = args.world_size if args.world_size is not None else args.nnodes * args.nproc
     sys.exit(asyncio.run(launch(args.nproc, args.program, tag_output=args.tag_output,
                                 master_addr=args.master_addr or "127.0.0.1", master_port=args.master_port,
-                                grace=args.grace, first_rank=first, world_size=size)))
+                                grace=args.grace, first_rank=first, world_size=size,
+                                watch_stdin=args.secret_stdin)))
 
 
 if __name__ == "__main__":

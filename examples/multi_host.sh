@@ -4,9 +4,9 @@
 # This script is documentation: it prints the commands to run, one per host, and runs nothing
 # unless asked (RUN=1, on each host, with NODE_RANK set). The tests do not run it.
 #
-# NOTE: the multi-node mode of ahcomm-run (--nnodes/--node-rank/--nproc-per-node/--master-addr/
-# --master-port) is being written; until it lands, the same job can be started by hand with the
-# environment variables every rank reads (see "Without the launcher" below).
+# Every rank of a job needs the same AHCOMM_JOB_SECRET (at least 16 characters): it authenticates
+# every connection, and a rank with another secret is refused. Make one, copy it to every host
+# by a private channel (never a command line), and export it there before the launcher runs.
 #
 # How the job finds itself:
 #   - Global rank 0 (node 0, local rank 0) serves the rendezvous on MASTER_ADDR:MASTER_PORT;
@@ -15,11 +15,13 @@
 #   - Ranks on the same host talk over the sdma links (ZeroMQ ipc + shared memory); ranks on
 #     different hosts over the rdma links (ZeroMQ tcp). Each rank binds its tcp endpoint on the
 #     interface that reaches the master; AHCOMM_IF_IP picks another one (e.g. the fast NIC).
-#   - Ranks count as "local" by host identity (hostname + boot id); AHCOMM_SERVER_ID overrides it.
+#   - Ranks count as "local" by host identity (hostname + boot id + network namespace, so two
+#     containers or namespaces on one kernel are two hosts); AHCOMM_SERVER_ID overrides it.
 #   - Global ranks: node R runs ranks R*4 .. R*4+3 (AHCOMM_LOCAL_RANK 0..3 on each node).
 #
 # Usage:
 #   examples/multi_host.sh                                   # print the commands
+#   export AHCOMM_JOB_SECRET=...   (the same value on both hosts; see above)
 #   MASTER_ADDR=host-a NODE_RANK=0 RUN=1 examples/multi_host.sh   # on host A
 #   MASTER_ADDR=host-a NODE_RANK=1 RUN=1 examples/multi_host.sh   # on host B
 set -euo pipefail
@@ -33,25 +35,36 @@ ARGS=${ARGS:-}
 
 launch_cmd() {  # $1 = node rank
   echo "ahcomm-run --nnodes $NNODES --node-rank $1 --nproc-per-node $NPROC_PER_NODE" \
-       "--master-addr $MASTER_ADDR --master-port $MASTER_PORT --tag-output python $PROGRAM $ARGS"
+       "--master-addr $MASTER_ADDR --master-port $MASTER_PORT python $PROGRAM $ARGS"
 }
 
 if [[ "${RUN:-0}" != "1" ]]; then
-  echo "# Same checkout and environment on every host (e.g. pip install -e . in a venv), then:"
+  echo "# Same checkout and environment on every host (e.g. pip install -e . in a venv)."
+  echo "# One secret for the job: make it once (python3 -c 'import secrets; print(secrets.token_hex(32))'),"
+  echo "# copy it to every host privately, and export the SAME value on each before the launcher:"
+  echo "#   export AHCOMM_JOB_SECRET=<that value>"
   for ((node = 0; node < NNODES; node++)); do
     echo "# on node $node:"
     echo "$(launch_cmd "$node")"
   done
   cat <<EOF
 
-# Without the launcher's multi-node mode: start every rank yourself with these variables
+# Or from one host, over ssh (mpirun's style; the secret travels on ssh's standard input):
+#   ahcomm-run -H host-a:$NPROC_PER_NODE,host-b:$NPROC_PER_NODE python $PROGRAM $ARGS
+#
+# Under torchrun, once per host (ahcomm finds its rendezvous through torchrun's store):
+#   torchrun --nnodes $NNODES --node-rank R --nproc-per-node $NPROC_PER_NODE \\
+#     --master-addr $MASTER_ADDR --master-port $MASTER_PORT $PROGRAM $ARGS
+#
+# Without a launcher: start every rank yourself with these variables
 # (also accepted: RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR/MASTER_PORT as torchrun sets them,
 # OMPI_COMM_WORLD_*, PMI_*, SLURM_PROCID/SLURM_NTASKS). On node R, for L in 0..$((NPROC_PER_NODE - 1)):
 #   AHCOMM_RANK=\$((R * $NPROC_PER_NODE + L)) AHCOMM_WORLD_SIZE=$((NNODES * NPROC_PER_NODE)) \\
 #   AHCOMM_LOCAL_RANK=\$L AHCOMM_LOCAL_WORLD_SIZE=$NPROC_PER_NODE \\
 #   AHCOMM_MASTER_ADDR=$MASTER_ADDR AHCOMM_MASTER_PORT=$MASTER_PORT python $PROGRAM $ARGS &
+# (AHCOMM_JOB_SECRET exported as above)
 #
-# Under Slurm (one task per rank): srun -N $NNODES --ntasks-per-node $NPROC_PER_NODE \\
+# Under Slurm (one task per rank; srun passes the exported AHCOMM_JOB_SECRET on): srun -N $NNODES --ntasks-per-node $NPROC_PER_NODE \\
 #   env AHCOMM_MASTER_ADDR=\$(scontrol show hostnames \$SLURM_JOB_NODELIST | head -n1) \\
 #   AHCOMM_MASTER_PORT=$MASTER_PORT python $PROGRAM $ARGS
 #
@@ -64,4 +77,5 @@ fi
 
 : "${NODE_RANK:?set NODE_RANK (0..$((NNODES - 1))) on each host}"
 [[ "$MASTER_ADDR" != HOST_A_ADDRESS ]] || { echo "set MASTER_ADDR to node 0's address" >&2; exit 2; }
+[[ -n "${AHCOMM_JOB_SECRET:-}" ]] || { echo "export the job's AHCOMM_JOB_SECRET (the same on every host)" >&2; exit 2; }
 exec $(launch_cmd "$NODE_RANK")

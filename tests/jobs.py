@@ -12,9 +12,9 @@ ROOT = Path(__file__).parent.parent
 
 
 def job_argv(n: int, *program: str, tag: bool = True, grace: float | None = None) -> list[str]:
-    """``python -m ahcomm.run -n N [--grace G] [--tag-output] PROGRAM...``."""
+    """``python -m ahcomm.run -n N [--grace G] --tag-output|--no-tag-output PROGRAM...``."""
     return [sys.executable, "-m", "ahcomm.run", "-n", str(n), *(["--grace", str(grace)] if grace else []),
-            *(["--tag-output"] if tag else []), *program]
+            "--tag-output" if tag else "--no-tag-output", *program]
 
 
 def job_env(env: dict[str, str] | None = None, *, drop: Iterable[str] = ()) -> dict[str, str]:

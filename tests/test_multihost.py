@@ -111,3 +111,36 @@ def test_launcher_mpirun_style_hosts_over_rsh(tmp_path: Path) -> None:
             assert proc.returncode == 0, proc.stdout + proc.stderr
             assert ok_ranks(proc.stdout) == {0, 1, 2, 3}, proc.stdout
             assert SECRET not in proc.stdout + proc.stderr
+
+
+NAMESPACE_PROGRAM = """
+import asyncio, os, numpy as np, ahcomm
+async def main():
+    async with await ahcomm.init() as comm:
+        got = await comm.all_reduce(np.full(4, comm.rank + 1.0))
+        kinds = {p: l["kind"] for p, l in comm.stats()["links"].items()}
+        print(f"NS rank {comm.rank} servers {comm.topology.servers} sum {got[0]:g} kinds {sorted(kinds.items())}",
+              flush=True)
+asyncio.run(main())
+"""
+
+
+@pytest.mark.skipif(not AVAILABLE, reason=f"no network namespaces here: {WHY}")
+def test_namespaces_of_one_kernel_are_different_hosts_without_server_id() -> None:
+    """Two network namespaces share hostname and boot id, not a network (nor abstract ipc
+    sockets): launched as the README says, with no AHCOMM_SERVER_ID, they are two hosts."""
+    with Fabric(2) as fabric:
+        port = 29000 + (os.getpid() + 500) % 1000
+        env = {k: v for k, v in os.environ.items() if k != "AHCOMM_SERVER_ID"}
+        env.update({"AHCOMM_JOB_SECRET": SECRET, "AHCOMM_CONNECT_TIMEOUT": "15", "AHCOMM_BUFFSIZE": "0.0625"})
+        procs = [fabric.popen(node, [sys.executable, "-m", "ahcomm.run", "--nnodes", "2", "--node-rank", str(node),
+                                     "--nproc-per-node", "2", "--master-addr", fabric.address(0), "--master-port",
+                                     str(port), "python", "-c", NAMESPACE_PROGRAM],
+                              env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for node in range(2)]
+        outputs = [p.communicate(timeout=120)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), "\n".join(outputs)
+    lines = sorted(re.findall(r"NS rank (\d) servers (\d) sum (\d+) kinds (.*)", "".join(outputs)))
+    assert [(r, s, t) for r, s, t, _ in lines] == [(str(r), "2", "10") for r in range(4)], outputs
+    kinds = {int(r): k for r, _, _, k in lines}
+    assert kinds[0] == "[(1, 'sdma'), (2, 'rdma'), (3, 'rdma')]", kinds
+    assert kinds[3] == "[(0, 'rdma'), (1, 'rdma'), (2, 'sdma')]", kinds
