@@ -32,6 +32,7 @@ from .._dtypes import ReduceOp
 from .._notify import Notify
 from .._stream import Stream, TaskFn
 from ..transports.base import Link, Signal
+from ..transports.mailbox import Mailbox
 
 if TYPE_CHECKING:
     from ._cost import CostModel
@@ -115,6 +116,7 @@ class Topology:
     link_kinds: tuple[str, ...]  # kind of the link to every rank ("self" for this rank)
     all_mapped: bool = False  # every link maps its peer's CCL buffers (Link.mapped)
     single_copy: bool = False  # every rank can read every peer's memory (agreed at init)
+    mailbox: int = 0  # payload bytes of a mailbox slot (``Context.mailbox``); 0: no mailboxes
 
     @cached_property
     def servers(self) -> int:
@@ -135,7 +137,7 @@ class Context:
     def __init__(self, *, call: Call, topo: Topology, links: dict[int, Link], src: np.ndarray,
                  dst: np.ndarray, ccl_in: np.ndarray, ccl_out: np.ndarray, half_offset: int, main: Stream,
                  subs: Sequence[Stream], ufunc: np.ufunc | None, final: bool = True,
-                 scratch: Callable[[int], np.ndarray] | None = None) -> None:
+                 scratch: Callable[[int], np.ndarray] | None = None, mailbox: Mailbox | None = None) -> None:
         self.call = call
         self.topo = topo
         self.rank = topo.rank
@@ -151,6 +153,7 @@ class Context:
         self.ufunc = ufunc
         self.final = final  # the last slice of this collective
         self._scratch = scratch
+        self.mailbox = mailbox  # the host's mailboxes (one-shot algorithms), where ``topo.mailbox``
         self.fingerprint = call.fingerprint
         self._locals: dict[Hashable, Notify] = {}
         self._error: BaseException | None = None
@@ -252,6 +255,7 @@ class Algorithm(ABC):
 
     name: ClassVar[str]
     ops: ClassVar[frozenset[str]]
+    exchanges: ClassVar[bool] = False  # every rank hears from every peer in every run (see the executor)
 
     def select(self, call: Call, topo: Topology) -> bool:
         """Whether this algorithm can run ``call`` on ``topo``."""

@@ -1,0 +1,118 @@
+"""Mailboxes: one-shot exchange of small payloads between the ranks of one host.
+
+Every rank owns a box that every rank of the host maps (shared memory, or plain memory in
+one process). A box holds ``SLOTS`` slots, one per sequence-number parity; a slot is a
+64-byte header (the flag: ``seq + 1``, then the fingerprint of the call and the payload's
+size) and up to ``capacity`` bytes of payload. A rank *publishes* collective ``seq`` by
+writing the payload, then the fingerprint, then the flag (NCCL's LL idea: the flag is the
+sequence number, so a slot is never reset; a reader that sees the flag sees the payload,
+as x86 keeps stores, and loads, in program order). It then *wakes* every peer through a
+descriptor that peer's event loop watches (a FIFO read by ``loop.add_reader``, or a direct
+call in one process): no thread hop, no ZeroMQ message.
+
+A slot of parity ``seq & 1`` is rewritten by collective ``seq + 2`` only: the executor runs
+that one once every peer finished ``seq`` (``Progress``), so no reader is still at it.
+
+A waiter checks the flags it needs, and only when one is missing waits for ``on_wake``;
+wake-ups are level-triggered (a FIFO byte stays until it is read), so a publish that races
+with the check is never lost.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+from typing import Callable
+
+import numpy as np
+
+HEADER = 64  # bytes of a slot's header (a cache line): int64 flag, uint32 fingerprint, uint32 size
+SLOTS = 2  # one slot per sequence-number parity
+DEFAULT_CAPACITY = 256 * 1024  # payload bytes of a slot (AHCOMM_MAILBOX_BYTES; 0 turns mailboxes off)
+Waker = Callable[[], None]
+
+
+def capacity_from_env() -> int:
+    """Payload bytes per slot: AHCOMM_MAILBOX_BYTES (0: no mailboxes), rounded to 64 bytes.
+
+    Mailboxes rely on the processor keeping stores and loads in order (x86's TSO); other
+    architectures get none (the other algorithms run instead)."""
+    if platform.machine().lower() not in ("x86_64", "amd64", "i386", "i686"):
+        return 0
+    raw = os.environ.get("AHCOMM_MAILBOX_BYTES", "").strip()
+    try:
+        value = int(raw) if raw else DEFAULT_CAPACITY
+    except ValueError:
+        from .._errors import ConfigError
+        raise ConfigError(f"AHCOMM_MAILBOX_BYTES must be a number of bytes, got {raw!r}") from None
+    return max(0, value) // 64 * 64
+
+
+def box_bytes(capacity: int) -> int:
+    """Bytes of one rank's box for slots of ``capacity`` payload bytes."""
+    return SLOTS * (HEADER + capacity)
+
+
+class Mailbox:
+    """This rank's view of the host's boxes: ``boxes[r]`` is rank r's (uint8, mapped here),
+    ``wakers[r]`` wakes rank r (None for this rank)."""
+
+    def __init__(self, rank: int, boxes: list[np.ndarray], wakers: list[Waker | None], capacity: int) -> None:
+        self.rank = rank
+        self.size = len(boxes)
+        self.capacity = capacity
+        stride = HEADER + capacity
+        self._flags = [[box[s * stride:s * stride + 8].view(np.int64) for s in range(SLOTS)] for box in boxes]
+        self._meta = [[box[s * stride + 8:s * stride + 16].view(np.uint32) for s in range(SLOTS)] for box in boxes]
+        self._data = [[box[s * stride + HEADER:(s + 1) * stride] for s in range(SLOTS)] for box in boxes]
+        self._wakers = [w for r, w in enumerate(wakers) if r != rank and w is not None]
+        self.on_wake: Waker | None = None  # set by whoever waits; called when a peer published
+        self.closed = False
+
+    def publish(self, seq: int, fingerprint: int, data: np.ndarray | None = None) -> np.ndarray:
+        """Write ``data`` (any contiguous array, or None: a header only) into this rank's slot
+        for ``seq``, set the flag and wake every peer; returns the slot's payload as written."""
+        slot = seq & 1
+        payload = self._data[self.rank][slot]
+        nbytes = 0
+        if data is not None:
+            nbytes = data.nbytes
+            if nbytes > self.capacity:
+                raise ValueError(f"mailbox: {nbytes} bytes do not fit a slot of {self.capacity}")
+            if nbytes:
+                np.copyto(payload[:nbytes].view(data.dtype).reshape(data.shape), data)
+        meta = self._meta[self.rank][slot]
+        meta[0] = fingerprint
+        meta[1] = nbytes
+        self._flags[self.rank][slot][0] = seq + 1  # last: the flag
+        for wake in self._wakers:
+            wake()
+        return payload[:nbytes]
+
+    def fingerprint(self, owner: int, seq: int) -> int:
+        """The fingerprint ``owner`` published for ``seq``; 0 while it has not."""
+        slot = seq & 1
+        if int(self._flags[owner][slot][0]) != seq + 1:
+            return 0
+        return int(self._meta[owner][slot][0]) or 1
+
+    def payload(self, owner: int, seq: int) -> np.ndarray:
+        """The bytes ``owner`` published for ``seq`` (uint8; read only after ``fingerprint``)."""
+        slot = seq & 1
+        return self._data[owner][slot][:int(self._meta[owner][slot][1])]
+
+    def woken(self) -> None:
+        """Called by the wake-up descriptor's reader (or a peer in this process)."""
+        if self.on_wake is not None:
+            self.on_wake()
+
+
+class InprocMailboxes:
+    """Mailboxes of ranks that share one event loop (tests): wakes are direct calls."""
+
+    def __init__(self, size: int, capacity: int = DEFAULT_CAPACITY) -> None:
+        boxes = [np.zeros(box_bytes(capacity), np.uint8) for _ in range(size)]
+        self.boxes: list[Mailbox] = []
+        wakers: list[Waker | None] = [lambda r=r: self.boxes[r].woken() for r in range(size)]  # type: ignore[misc]
+        self.boxes = [Mailbox(r, boxes, [None if p == r else wakers[p] for p in range(size)], capacity)
+                      for r in range(size)]
