@@ -21,9 +21,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from .._errors import CollectiveMismatchError
-from ._cost import CostModel, Work, call_bytes
-from .base import Algorithm, Call, Context, Topology
+from ._cost import CostModel, Work, call_bytes, npieces
+from .base import Algorithm, Call, Context, Resources, Topology
 
 OPS = frozenset({"all_reduce", "reduce_scatter", "all_gather", "broadcast", "barrier"})
 
@@ -43,28 +42,33 @@ class OneShot(Algorithm):
     exchanges = True
 
     def select(self, call: Call, topo: Topology) -> bool:
-        return (call.op in OPS and topo.mailbox > 0 and call.counts is None
-                and published_bytes(call, topo.size) <= topo.mailbox)
+        return call.op in OPS and call.counts is None and (topo.size == 1 or topo.mailbox > 0)
+
+    def resources(self, call: Call, topo: Topology, half_bytes: int) -> Resources:
+        """A call larger than a slot runs in slices of one slot (the executor cuts them)."""
+        per = published_bytes(call, topo.size) // max(1, call.count)  # bytes per element of count
+        return Resources(max_count=max(1, topo.mailbox // per) if per and topo.mailbox else None)
 
     def cost(self, call: Call, topo: Topology, model: CostModel) -> float | None:
-        """One dependent step (publish, wake, read); the copies and reductions of the busiest
-        rank: all_reduce publishes m and reduces (n - 1) m; reduce_scatter publishes n m and
-        reduces (n - 1) m; all_gather publishes m and copies n m; broadcast 2 m. The wake-ups
-        are a syscall each, far below a link notify (``task``): counted as none."""
+        """One dependent step (publish, wake, read) per slot-sized slice; the copies and
+        reductions of a rank: all_reduce publishes m and reduces (n - 1) m; reduce_scatter
+        publishes n m and reduces (n - 1) m; all_gather publishes m and copies n m; broadcast
+        2 m. A wake-up is a syscall, far below a link notify (``task``): counted as none."""
         n = topo.size
         if n == 1:
             return 0.0
-        whole, block = call_bytes(call, n)
+        whole, _ = call_bytes(call, n)
         m = float(published_bytes(call, n))
+        s = npieces(m, topo.mailbox)
         op = call.op
         if op == "all_reduce":
-            work = Work(rounds=1, copied=m, reduced=(n - 1) * m)
+            work = Work(rounds=s, copied=m, reduced=(n - 1) * m)
         elif op == "reduce_scatter":
-            work = Work(rounds=1, copied=m, reduced=(n - 1) * m / n)
+            work = Work(rounds=s, copied=m, reduced=(n - 1) * m / n)
         elif op == "all_gather":
-            work = Work(rounds=1, copied=m + whole)
+            work = Work(rounds=s, copied=m + whole)
         elif op == "broadcast":
-            work = Work(rounds=1, copied=2 * m)
+            work = Work(rounds=s, copied=2 * m)
         else:
             work = Work(rounds=1)
         return work.seconds(model, topo)
@@ -73,58 +77,52 @@ class OneShot(Algorithm):
         box = ctx.mailbox
         assert box is not None, "oneshot runs only where the executor has a mailbox"
         call, n, r = ctx.call, ctx.size, ctx.rank
-        seq, fp, op = call.seq, ctx.fingerprint, call.op
+        seq, op = call.seq, call.op
         src, dst = ctx.src, ctx.dst
         data = None if op == "barrier" or (op == "broadcast" and r != call.root) else src
-        mine = box.publish(seq, fp, data)
-        await _arrivals(ctx, seq, fp)
+        tick, mine = box.publish(seq, ctx.fingerprint, data)
+        await _arrivals(ctx, tick)
         if op == "barrier":
             return
         dtype = call.dtype
         if op == "broadcast":
             if r != call.root:
-                np.copyto(dst, box.payload(call.root, seq).view(dtype).reshape(dst.shape))
+                np.copyto(dst, box.payload(call.root, tick).view(dtype).reshape(dst.shape))
             elif dst is not src:
                 np.copyto(dst, src)
             return
-        if op == "all_gather":
+        if op == "all_gather":  # dst: (n, slice)
             for p in range(n):
-                part = mine if p == r else box.payload(p, seq)
-                np.copyto(dst[p], part.view(dtype))
+                np.copyto(dst[p], (mine if p == r else box.payload(p, tick)).view(dtype))
             return
         assert ctx.ufunc is not None
         ufunc = ctx.ufunc
-        if op == "all_reduce":
-            parts = [(mine if p == r else box.payload(p, seq)).view(dtype) for p in range(n)]
-        else:  # reduce_scatter: this rank's block of every rank's input
-            count = call.count
-            parts = [(mine if p == r else box.payload(p, seq)).view(dtype)[r * count:(r + 1) * count]
-                     for p in range(n)]
+        parts = [(mine if p == r else box.payload(p, tick)).view(dtype) for p in range(n)]
+        if op == "reduce_scatter":  # src: (n, slice), published row by row: this rank's row of each
+            k = src.shape[1]
+            parts = [part[r * k:(r + 1) * k] for part in parts]
         out = dst.reshape(-1)
         ufunc(parts[0], parts[1], out=out)
         for part in parts[2:]:
             ufunc(out, part, out=out)
 
 
-async def _arrivals(ctx: Context, seq: int, fp: int) -> None:
-    """Until every peer has published ``seq``; each peer's fingerprint is checked on the way."""
+async def _arrivals(ctx: Context, tick: int) -> None:
+    """Until every peer has made publication ``tick``; each one's call is checked on the way."""
     box = ctx.mailbox
     assert box is not None
+    seq, fp = ctx.call.seq, ctx.fingerprint
     pending = [p for p in range(ctx.size) if p != ctx.rank]
     flag = None
     try:
         while True:
             left = []
             for p in pending:
-                theirs = box.fingerprint(p, seq)
-                if not theirs:
+                theirs = box.arrived(p, tick)
+                if theirs is None:
                     left.append(p)
-                elif theirs != fp:
-                    hook = ctx.links[p].on_fingerprint
-                    if hook is None:
-                        raise CollectiveMismatchError(f"{ctx.call.op} #{seq}: rank {p} published a different "
-                                                      f"collective (fingerprint {theirs:#010x})", seq=seq)
-                    hook(p, seq, theirs)  # fails the communicator, and with it this run's wake-up
+                elif theirs != (seq, fp):
+                    _differs(ctx, p, *theirs)
                     left.append(p)  # its slot holds another call: never read it
             if not left:
                 return
@@ -137,3 +135,11 @@ async def _arrivals(ctx: Context, seq: int, fp: int) -> None:
     finally:
         if flag is not None:
             box.on_wake = None
+
+
+def _differs(ctx: Context, peer: int, seq: int, fp: int) -> None:
+    """``peer`` published another call: the communicator's fingerprint check (the link's hook)
+    fails the communicator, which fails this run's wake-up notify with the verdict."""
+    hook = ctx.links[peer].on_fingerprint
+    if hook is not None:
+        hook(peer, seq, fp)

@@ -2,16 +2,18 @@
 
 Every rank owns a box that every rank of the host maps (shared memory, or plain memory in
 one process). A box holds ``SLOTS`` slots, one per sequence-number parity; a slot is a
-64-byte header (the flag: ``seq + 1``, then the fingerprint of the call and the payload's
-size) and up to ``capacity`` bytes of payload. A rank *publishes* collective ``seq`` by
-writing the payload, then the fingerprint, then the flag (NCCL's LL idea: the flag is the
-sequence number, so a slot is never reset; a reader that sees the flag sees the payload,
-as x86 keeps stores, and loads, in program order). It then *wakes* every peer through a
-descriptor that peer's event loop watches (a FIFO read by ``loop.add_reader``, or a direct
+64-byte header (a flag, the call's sequence number and fingerprint, the payload's size)
+and up to ``capacity`` bytes of payload. Ranks publish in step (every one-shot run,
+or slice of one, publishes once on every rank), so the count of publications so far, the
+*tick*, is the same on every rank: publication ``tick`` goes to slot ``tick & 1``. A rank
+writes the payload, then the call's sequence number and fingerprint, then the flag
+``tick + 1`` (NCCL's LL idea: the flag only grows, so a slot is never reset; a reader that
+sees the flag sees the payload, as x86 keeps stores, and loads, in program order). It then *wakes* every peer through a descriptor that peer's event loop watches (a FIFO read by ``loop.add_reader``, or a direct
 call in one process): no thread hop, no ZeroMQ message.
 
-A slot of parity ``seq & 1`` is rewritten by collective ``seq + 2`` only: the executor runs
-that one once every peer finished ``seq`` (``Progress``), so no reader is still at it.
+A slot is rewritten by publication ``tick + 2`` only after its writer has seen every peer's
+publication ``tick + 1``, which each peer made after it finished reading publication
+``tick``: no reader is still at it.
 
 A waiter checks the flags it needs, and only when one is missing waits for ``on_wake``;
 wake-ups are level-triggered (a FIFO byte stays until it is read), so a publish that races
@@ -26,7 +28,7 @@ from typing import Callable
 
 import numpy as np
 
-HEADER = 64  # bytes of a slot's header (a cache line): int64 flag, uint32 fingerprint, uint32 size
+HEADER = 64  # bytes of a slot's header (a cache line): int64 flag and seq, uint32 fingerprint and size
 SLOTS = 2  # one slot per sequence-number parity
 DEFAULT_CAPACITY = 256 * 1024  # payload bytes of a slot (AHCOMM_MAILBOX_BYTES; 0 turns mailboxes off)
 Waker = Callable[[], None]
@@ -61,18 +63,22 @@ class Mailbox:
         self.rank = rank
         self.size = len(boxes)
         self.capacity = capacity
+        self.tick = 0  # publications so far (the same count on every rank: they publish in step)
         stride = HEADER + capacity
-        self._flags = [[box[s * stride:s * stride + 8].view(np.int64) for s in range(SLOTS)] for box in boxes]
-        self._meta = [[box[s * stride + 8:s * stride + 16].view(np.uint32) for s in range(SLOTS)] for box in boxes]
+        self._head = [[box[s * stride:s * stride + 16].view(np.int64) for s in range(SLOTS)] for box in boxes]
+        self._meta = [[box[s * stride + 16:s * stride + 24].view(np.uint32) for s in range(SLOTS)] for box in boxes]
         self._data = [[box[s * stride + HEADER:(s + 1) * stride] for s in range(SLOTS)] for box in boxes]
         self._wakers = [w for r, w in enumerate(wakers) if r != rank and w is not None]
         self.on_wake: Waker | None = None  # set by whoever waits; called when a peer published
         self.closed = False
 
-    def publish(self, seq: int, fingerprint: int, data: np.ndarray | None = None) -> np.ndarray:
-        """Write ``data`` (any contiguous array, or None: a header only) into this rank's slot
-        for ``seq``, set the flag and wake every peer; returns the slot's payload as written."""
-        slot = seq & 1
+    def publish(self, seq: int, fingerprint: int, data: np.ndarray | None = None) -> tuple[int, np.ndarray]:
+        """Write ``data`` (any contiguous array, or None: a header only) for collective ``seq``
+        into this rank's next slot, set its flag and wake every peer; returns (the publication's
+        tick, the slot's payload as written)."""
+        tick = self.tick
+        self.tick = tick + 1
+        slot = tick & 1
         payload = self._data[self.rank][slot]
         nbytes = 0
         if data is not None:
@@ -84,21 +90,24 @@ class Mailbox:
         meta = self._meta[self.rank][slot]
         meta[0] = fingerprint
         meta[1] = nbytes
-        self._flags[self.rank][slot][0] = seq + 1  # last: the flag
+        head = self._head[self.rank][slot]
+        head[1] = seq
+        head[0] = tick + 1  # last: the flag
         for wake in self._wakers:
             wake()
-        return payload[:nbytes]
+        return tick, payload[:nbytes]
 
-    def fingerprint(self, owner: int, seq: int) -> int:
-        """The fingerprint ``owner`` published for ``seq``; 0 while it has not."""
-        slot = seq & 1
-        if int(self._flags[owner][slot][0]) != seq + 1:
-            return 0
-        return int(self._meta[owner][slot][0]) or 1
+    def arrived(self, owner: int, tick: int) -> tuple[int, int] | None:
+        """(seq, fingerprint) of ``owner``'s publication ``tick``; None while it has not made it."""
+        slot = tick & 1
+        head = self._head[owner][slot]
+        if int(head[0]) != tick + 1:
+            return None
+        return int(head[1]), int(self._meta[owner][slot][0])
 
-    def payload(self, owner: int, seq: int) -> np.ndarray:
-        """The bytes ``owner`` published for ``seq`` (uint8; read only after ``fingerprint``)."""
-        slot = seq & 1
+    def payload(self, owner: int, tick: int) -> np.ndarray:
+        """The bytes of ``owner``'s publication ``tick`` (uint8; read only after ``arrived``)."""
+        slot = tick & 1
         return self._data[owner][slot][:int(self._meta[owner][slot][1])]
 
     def woken(self) -> None:

@@ -1,0 +1,142 @@
+"""Where an 8-byte all_reduce's time goes, stage by stage (issue 11), tracing off.
+
+Two in-process ranks (one event loop), float32[2], sum. Each stage is what ``Comm`` does
+for one call, run on its own ``--iters`` times:
+
+validate     the input checks (device_aware, _input, ReduceOp.parse, check_reduce, _output, flat_view)
+fingerprint  Call(...) and its fingerprint
+flight       the flight-recorder entry
+select       the selector's choice
+queue        the future, the job, the queue and the worker's hand-off (enqueue + one loop turn)
+run          the executor's run (oneshot: publish, check arrival, reduce), per rank
+finish       the entry's closing, the future's result and its delivery to the awaiting caller
+total        a whole all_reduce (both ranks at once, per rank)
+
+``python benchmarks/stages.py``            wall-clock table (us per call, best of 5 rounds)
+``python benchmarks/stages.py --callgrind`` instruction counts per call (valgrind, slow)
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import re
+import subprocess
+import sys
+import time
+from typing import Any, Callable
+
+import numpy as np
+
+from ahcomm._bootstrap import create_inprocess
+from ahcomm._collectives import flat_view
+from ahcomm._comm import _Job
+from ahcomm._dtypes import ReduceOp, check_reduce, ufunc_for
+from ahcomm.algorithms.base import Call
+
+STAGES = ("validate", "fingerprint", "flight", "select", "queue", "run", "finish", "total")
+
+
+async def stage_fn(name: str) -> tuple[Callable[[], Any], bool]:
+    """(one iteration of stage ``name``, whether it is a coroutine function)."""
+    comms = await create_inprocess(2)
+    c0, c1 = comms
+    x0, x1 = np.ones(2, np.float32), np.ones(2, np.float32)
+    call = Call(op="all_reduce", seq=0, dtype=x0.dtype, count=2, redop=ReduceOp.SUM)
+    loop = asyncio.get_running_loop()
+    algo = c0._selector.choose(call, c0.topology)
+    ufunc = ufunc_for(ReduceOp.SUM, x0.dtype)
+    if name == "validate":
+        def validate() -> None:
+            arr, dtype = c0._input(x0, "all_reduce")
+            check_reduce(ReduceOp.parse("sum"), dtype)
+            flat_view(c0._output("all_reduce", None, arr.shape, dtype))
+        return validate, False
+    if name == "fingerprint":
+        return (lambda: Call(op="all_reduce", seq=0, dtype=x0.dtype, count=2, redop=ReduceOp.SUM).fingerprint), False
+    if name == "flight":
+        return (lambda: c0._flight.issue(call, None)), False
+    if name == "select":
+        return (lambda: c0._selector.choose(call, c0.topology)), False
+    if name == "queue":
+        async def queue() -> None:
+            job = _Job(call, algo, x0, x0, x0, None, loop.create_future())
+            c0._queue.append(job)
+            fut = loop.create_future()
+            loop.call_soon(fut.set_result, None)  # the worker's wake-up: one loop turn
+            await fut
+            c0._queue.popleft()
+        return queue, True
+    if name == "run":
+        seq = [0]
+        ex0, ex1 = c0._executor, c1._executor
+        d0, d1 = np.empty_like(x0), np.empty_like(x1)
+        async def run() -> None:
+            s = seq[0]
+            seq[0] += 1
+            call_s = Call(op="all_reduce", seq=s, dtype=x0.dtype, count=2, redop=ReduceOp.SUM)
+            call_s._fp = call.fingerprint
+            await asyncio.gather(ex0.run(call_s, algo, x0, d0, ufunc), ex1.run(call_s, algo, x1, d1, ufunc))
+        return run, True
+    if name == "finish":
+        entry = c0._flight.issue(call, None)
+        async def finish() -> None:
+            fut = loop.create_future()
+            c0._fps.pop(0, None)
+            entry.state, entry.ended = "done", time.monotonic()
+            fut.set_result(x0)
+            await fut
+        return finish, True
+    async def total() -> None:
+        await asyncio.gather(c0.all_reduce(x0), c1.all_reduce(x1))
+    return total, True
+
+
+async def measure(name: str, iters: int) -> float:
+    fn, is_async = await stage_fn(name)
+    per = 2 if name in ("run", "total") else 1  # ranks served by one iteration
+    best = float("inf")
+    for _ in range(5 if iters else 1):
+        t0 = time.perf_counter()
+        if is_async:
+            for _ in range(iters):
+                await fn()
+        else:
+            for _ in range(iters):
+                fn()
+        best = min(best, (time.perf_counter() - t0) / max(iters, 1) / per)
+    return best * 1e6
+
+
+def callgrind(name: str, iters: int) -> float:
+    """Instructions per call of stage ``name``: (Ir with iters) - (Ir with none), per iteration."""
+    counts = []
+    for n in (0, iters):
+        out = f"/tmp/ahcomm-stages-{os.getpid()}-{name}-{n}.cg"
+        subprocess.run(["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}", sys.executable, __file__,
+                        "--stage", name, "--iters", str(n)], check=True, capture_output=True)
+        text = open(out).read()
+        os.unlink(out)
+        counts.append(int(re.search(r"^summary: (\d+)", text, re.M).group(1)))  # type: ignore[union-attr]
+    return (counts[1] - counts[0]) / iters / (2 if name in ("run", "total") else 1)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--stage", choices=STAGES)
+    parser.add_argument("--iters", type=int, default=2000)
+    parser.add_argument("--callgrind", action="store_true")
+    args = parser.parse_args()
+    if args.stage:
+        print(asyncio.run(measure(args.stage, args.iters)))
+        return
+    for name in STAGES:
+        if args.callgrind:
+            print(f"{name:12s} {callgrind(name, min(args.iters, 300)):10.0f} instructions", flush=True)
+        else:
+            print(f"{name:12s} {asyncio.run(measure(name, args.iters)):8.2f} us", flush=True)
+
+
+if __name__ == "__main__":
+    main()
