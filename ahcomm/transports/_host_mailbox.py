@@ -17,6 +17,8 @@ import os
 import secrets
 from typing import Any
 
+import numpy as np
+
 from .._buffers import SHM_DIR, SHM_PREFIX, SharedRegion
 from .mailbox import Mailbox, Waker, box_bytes
 
@@ -63,7 +65,8 @@ class HostMailbox:
 
     def attach(self, table: list[dict[str, Any]]) -> Mailbox:
         """Map every peer's box and open its FIFO (``table`` in rank order, as the rendezvous gives)."""
-        arrays, wakers = [], []
+        arrays: list[np.ndarray] = []
+        wakers: list[Waker | None] = []
         for entry in table:
             peer, desc = int(entry["rank"]), entry["mailbox"]
             if peer == self.rank:
