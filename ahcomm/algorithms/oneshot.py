@@ -19,6 +19,8 @@ lost or an abort fails the run's wake-up notify, so a waiting rank raises at onc
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 
 from ._cost import CostModel, Work, call_bytes, npieces
@@ -114,6 +116,8 @@ async def _arrivals(ctx: Context, tick: int) -> None:
     seq, fp = ctx.call.seq, ctx.fingerprint
     pending = [p for p in range(ctx.size) if p != ctx.rank]
     flag = None
+    spin = box.spin.allowed()
+    deadline = 0.0
     try:
         while True:
             left = []
@@ -125,15 +129,27 @@ async def _arrivals(ctx: Context, tick: int) -> None:
                     _differs(ctx, p, *theirs)
                     left.append(p)  # its slot holds another call: never read it
             if not left:
+                if spin:
+                    box.spin.result(True)
                 return
             pending = left
+            if spin:  # poll a little before sleeping (the peers are on other cores)
+                if deadline == 0.0:
+                    deadline = time.perf_counter() + spin
+                    continue
+                if time.perf_counter() < deadline:
+                    continue
+                box.spin.result(False)
+                spin = 0.0
             if flag is None:
                 flag = ctx.local("mailbox")
                 box.on_wake = flag.post
-                continue  # a publish may have landed before on_wake was set: look once more
+                box.sleep()
+                continue  # a publish may have landed before we were marked asleep: look once more
             await flag.wait()
     finally:
         if flag is not None:
+            box.awake()
             box.on_wake = None
 
 

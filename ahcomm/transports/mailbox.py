@@ -15,15 +15,19 @@ A slot is rewritten by publication ``tick + 2`` only after its writer has seen e
 publication ``tick + 1``, which each peer made after it finished reading publication
 ``tick``: no reader is still at it.
 
-A waiter checks the flags it needs, and only when one is missing waits for ``on_wake``;
-wake-ups are level-triggered (a FIFO byte stays until it is read), so a publish that races
-with the check is never lost.
+A waiter checks the flags it needs; only when one is missing does it mark itself asleep (a
+word in its box's header), fence, check again and wait for ``on_wake``. A publisher sets its
+flag, fences, and wakes only the peers marked asleep: one of the two sees the other's store
+(Dekker's argument; the fence is a locked instruction), so no wake-up is lost and none is
+sent to a rank that is not waiting (no syscall, no spurious event-loop callback). Wake-ups
+are level-triggered (a FIFO byte stays until it is read).
 """
 
 from __future__ import annotations
 
 import os
 import platform
+import threading
 from typing import Callable
 
 import numpy as np
@@ -31,6 +35,7 @@ import numpy as np
 HEADER = 64  # bytes of a slot's header (a cache line): int64 flag and seq, uint32 fingerprint and size
 SLOTS = 2  # one slot per sequence-number parity
 DEFAULT_CAPACITY = 256 * 1024  # payload bytes of a slot (AHCOMM_MAILBOX_BYTES; 0 turns mailboxes off)
+SPIN_US = 30.0  # microseconds a waiter may poll before it sleeps (AHCOMM_SPIN_US; only ranks <= cores)
 Waker = Callable[[], None]
 
 
@@ -51,8 +56,73 @@ def capacity_from_env() -> int:
 
 
 def box_bytes(capacity: int) -> int:
-    """Bytes of one rank's box for slots of ``capacity`` payload bytes."""
-    return SLOTS * (HEADER + capacity)
+    """Bytes of one rank's box for slots of ``capacity`` payload bytes (the box's own header,
+    then the slots)."""
+    return HEADER + SLOTS * (HEADER + capacity)
+
+
+_FENCE = threading.Lock()
+
+
+def fence() -> None:
+    """A full memory barrier: taking and releasing a lock is a locked read-modify-write (glibc's
+    semaphore or mutex), which x86 never reorders a load across."""
+    _FENCE.acquire()
+    _FENCE.release()
+
+
+def spin_budget(ranks: int) -> float:
+    """Seconds a waiter may spin before it sleeps: AHCOMM_SPIN_US (default ``SPIN_US``), and 0
+    where the host's ranks outnumber this process's cores (a spinning rank would keep a peer it
+    waits for off its core)."""
+    raw = os.environ.get("AHCOMM_SPIN_US", "").strip()
+    try:
+        us = float(raw) if raw else SPIN_US
+    except ValueError:
+        from .._errors import ConfigError
+        raise ConfigError(f"AHCOMM_SPIN_US must be a number of microseconds, got {raw!r}") from None
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    return max(0.0, us) * 1e-6 if ranks <= cores else 0.0
+
+
+class Spin:
+    """A bounded, adaptive spin: up to ``budget`` seconds of polling before sleeping; after
+    ``GIVE_UP`` spins in a row that found nothing, none for the next ``REST`` waits (the
+    peers are slower than the budget: spinning would only burn CPU), then a new try."""
+
+    GIVE_UP = 8
+    REST = 256
+
+    __slots__ = ("budget", "misses", "rest", "hits", "spins")
+
+    def __init__(self, budget: float) -> None:
+        self.budget = budget
+        self.misses = 0  # spins in a row that found nothing
+        self.rest = 0  # waits left without spinning
+        self.hits = 0  # spins that found every peer (counters, for the benchmark's report)
+        self.spins = 0
+
+    def allowed(self) -> float:
+        """The seconds this wait may spin (0: sleep at once)."""
+        if self.budget <= 0.0:
+            return 0.0
+        if self.rest:
+            self.rest -= 1
+            return 0.0
+        return self.budget
+
+    def result(self, found: bool) -> None:
+        self.spins += 1
+        if found:
+            self.hits += 1
+            self.misses = 0
+        else:
+            self.misses += 1
+            if self.misses >= self.GIVE_UP:
+                self.misses, self.rest = 0, self.REST
 
 
 class Mailbox:
@@ -65,10 +135,14 @@ class Mailbox:
         self.capacity = capacity
         self.tick = 0  # publications so far (the same count on every rank: they publish in step)
         stride = HEADER + capacity
+        self._asleep = [box[:8].view(np.int64) for box in boxes]  # 1: its owner waits for a wake-up
+        boxes = [box[HEADER:] for box in boxes]
         self._head = [[box[s * stride:s * stride + 16].view(np.int64) for s in range(SLOTS)] for box in boxes]
         self._meta = [[box[s * stride + 16:s * stride + 24].view(np.uint32) for s in range(SLOTS)] for box in boxes]
         self._data = [[box[s * stride + HEADER:(s + 1) * stride] for s in range(SLOTS)] for box in boxes]
-        self._wakers = [w for r, w in enumerate(wakers) if r != rank and w is not None]
+        self._peers = [(self._asleep[r], w) for r, w in enumerate(wakers) if r != rank and w is not None]
+        self.wakes = 0  # wake-ups sent (the others found their peer awake)
+        self.spin = Spin(spin_budget(self.size))
         self.on_wake: Waker | None = None  # set by whoever waits; called when a peer published
         self.closed = False
 
@@ -93,9 +167,23 @@ class Mailbox:
         head = self._head[self.rank][slot]
         head[1] = seq
         head[0] = tick + 1  # last: the flag
-        for wake in self._wakers:
-            wake()
+        fence()  # the flag, before we look who sleeps (``sleep`` does the mirror image)
+        for asleep, wake in self._peers:
+            if asleep[0]:
+                self.wakes += 1
+                wake()
         return tick, payload[:nbytes]
+
+    def sleep(self) -> None:
+        """About to wait for a wake-up: from now on publishers wake this rank. The caller
+        checks the flags once more after this (Dekker: a publisher either sees this rank
+        asleep, or this rank sees its flag)."""
+        self._asleep[self.rank][0] = 1
+        fence()
+
+    def awake(self) -> None:
+        """Done waiting: publishers need not wake this rank."""
+        self._asleep[self.rank][0] = 0
 
     def arrived(self, owner: int, tick: int) -> tuple[int, int] | None:
         """(seq, fingerprint) of ``owner``'s publication ``tick``; None while it has not made it."""
@@ -125,3 +213,5 @@ class InprocMailboxes:
         wakers: list[Waker | None] = [lambda r=r: self.boxes[r].woken() for r in range(size)]  # type: ignore[misc]
         self.boxes = [Mailbox(r, boxes, [None if p == r else wakers[p] for p in range(size)], capacity)
                       for r in range(size)]
+        for box in self.boxes:
+            box.spin = Spin(0.0)  # one event loop: a spinning rank would keep its peers from running
