@@ -45,6 +45,9 @@ WHOLE = frozenset({"reduce", "gather", "scatter", "all_to_all", "all_gather_v", 
                      "gather_v", "scatter_v", "all_to_all_v"})
 
 
+_FINGERPRINTS: dict[tuple[object, ...], int] = {}  # fingerprints of recent kinds of call (the f-string is slow)
+
+
 @dataclass(slots=True)
 class Call:
     """One collective as every rank issued it.
@@ -85,9 +88,16 @@ class Call:
             # Sizes every rank agrees on: the per-rank counts where the op has them (a rank's own
             # count differs across ranks there), none for all_to_all_v (each rank has its own row).
             sizes = "" if self.op == "all_to_all_v" else self.counts if self.counts is not None else self.count
-            key = f"{self.op}|{self.dtype.str}{self.dtype.name}|{sizes}|{self.redop and self.redop.value}|" \
-                  f"{self.root}|{self.group}"
-            fp = self._fp = zlib.crc32(key.encode()) or 1
+            memo = (self.op, self.dtype, sizes, self.redop, self.root, self.group)
+            fp = _FINGERPRINTS.get(memo, 0)
+            if not fp:
+                key = f"{self.op}|{self.dtype.str}{self.dtype.name}|{sizes}|{self.redop and self.redop.value}|" \
+                      f"{self.root}|{self.group}"
+                fp = zlib.crc32(key.encode()) or 1
+                if len(_FINGERPRINTS) >= 4096:
+                    _FINGERPRINTS.clear()
+                _FINGERPRINTS[memo] = fp
+            self._fp = fp
         return fp
 
     @property
