@@ -101,11 +101,11 @@ async def stage_fn(name: str) -> tuple[Callable[[], Any], bool]:
     return total, True
 
 
-async def measure(name: str, iters: int) -> float:
+async def measure(name: str, iters: int, rounds: int = 5) -> float:
     fn, is_async = await stage_fn(name)
     per = 2 if name == "total" else 1  # ranks served by one iteration
     best = float("inf")
-    for _ in range(5 if iters else 1):
+    for _ in range(rounds):
         t0 = time.perf_counter()
         if is_async:
             for _ in range(iters):
@@ -123,7 +123,7 @@ def callgrind(name: str, iters: int) -> float:
     for n in (0, iters):
         out = f"/tmp/ahcomm-stages-{os.getpid()}-{name}-{n}.cg"
         subprocess.run(["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}", sys.executable, __file__,
-                        "--stage", name, "--iters", str(n)], check=True, capture_output=True)
+                        "--stage", name, "--iters", str(n), "--rounds", "1"], check=True, capture_output=True)
         text = open(out).read()
         os.unlink(out)
         counts.append(int(re.search(r"^summary: (\d+)", text, re.M).group(1)))  # type: ignore[union-attr]
@@ -134,10 +134,11 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--stage", choices=STAGES)
     parser.add_argument("--iters", type=int, default=2000)
+    parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--callgrind", action="store_true")
     args = parser.parse_args()
     if args.stage:
-        print(asyncio.run(measure(args.stage, args.iters)))
+        print(asyncio.run(measure(args.stage, args.iters, args.rounds)))
         return
     for name in STAGES:
         if args.callgrind:
