@@ -104,6 +104,11 @@ async def stage_fn(name: str) -> tuple[Callable[[], Any], bool]:
 async def measure(name: str, iters: int, rounds: int = 5) -> float:
     fn, is_async = await stage_fn(name)
     per = 2 if name == "total" else 1  # ranks served by one iteration
+    for _ in range(50):  # warm: one-time costs (lazy imports, caches) are no stage's
+        if is_async:
+            await fn()
+        else:
+            fn()
     best = float("inf")
     for _ in range(rounds):
         t0 = time.perf_counter()
