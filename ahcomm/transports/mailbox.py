@@ -1,15 +1,16 @@
 """Mailboxes: one-shot exchange of small payloads between the ranks of one host.
 
 Every rank owns a box that every rank of the host maps (shared memory, or plain memory in
-one process). A box holds ``SLOTS`` slots, one per sequence-number parity; a slot is a
+one process). A box holds a header (the asleep word) and ``SLOTS`` slots; a slot is a
 64-byte header (a flag, the call's sequence number and fingerprint, the payload's size)
 and up to ``capacity`` bytes of payload. Ranks publish in step (every one-shot run,
 or slice of one, publishes once on every rank), so the count of publications so far, the
 *tick*, is the same on every rank: publication ``tick`` goes to slot ``tick & 1``. A rank
 writes the payload, then the call's sequence number and fingerprint, then the flag
 ``tick + 1`` (NCCL's LL idea: the flag only grows, so a slot is never reset; a reader that
-sees the flag sees the payload, as x86 keeps stores, and loads, in program order). It then *wakes* every peer through a descriptor that peer's event loop watches (a FIFO read by ``loop.add_reader``, or a direct
-call in one process): no thread hop, no ZeroMQ message.
+sees the flag sees the payload, as x86 keeps stores, and loads, in program order). Peers that
+wait are woken through a descriptor their event loop watches (a FIFO read by
+``loop.add_reader``, or a direct call in one process): no thread hop, no ZeroMQ message.
 
 A slot is rewritten by publication ``tick + 2`` only after its writer has seen every peer's
 publication ``tick + 1``, which each peer made after it finished reading publication
@@ -17,10 +18,14 @@ publication ``tick + 1``, which each peer made after it finished reading publica
 
 A waiter checks the flags it needs; only when one is missing does it mark itself asleep (a
 word in its box's header), fence, check again and wait for ``on_wake``. A publisher sets its
-flag, fences, and wakes only the peers marked asleep: one of the two sees the other's store
-(Dekker's argument; the fence is a locked instruction), so no wake-up is lost and none is
-sent to a rank that is not waiting (no syscall, no spurious event-loop callback). Wake-ups
-are level-triggered (a FIFO byte stays until it is read).
+flag, fences, and looks at every other rank's flag of this publication: if one is missing,
+that rank publishes later and wakes the sleepers itself; else (it is the last) it wakes the
+ranks marked asleep. With a fence between each store and the loads after it, the last
+publisher sees every flag, and a sleeper's second look or that publisher sees the other's
+store (Dekker's argument; the fence is a locked instruction): no wake-up is lost, each
+sleeper gets at most one per publication (not one per peer), and a rank that is not
+waiting gets none (no syscall, no event-loop callback). Wake-ups are level-triggered (a FIFO
+byte stays until it is read).
 """
 
 from __future__ import annotations
@@ -141,6 +146,7 @@ class Mailbox:
         self._meta = [[box[s * stride + 16:s * stride + 24].view(np.uint32) for s in range(SLOTS)] for box in boxes]
         self._data = [[box[s * stride + HEADER:(s + 1) * stride] for s in range(SLOTS)] for box in boxes]
         self._peers = [(self._asleep[r], w) for r, w in enumerate(wakers) if r != rank and w is not None]
+        self._others = [self._head[r] for r in range(self.size) if r != rank]
         self.wakes = 0  # wake-ups sent (the others found their peer awake)
         self.spin = Spin(spin_budget(self.size))
         self.on_wake: Waker | None = None  # set by whoever waits; called when a peer published
@@ -167,7 +173,11 @@ class Mailbox:
         head = self._head[self.rank][slot]
         head[1] = seq
         head[0] = tick + 1  # last: the flag
-        fence()  # the flag, before we look who sleeps (``sleep`` does the mirror image)
+        fence()  # the flag, before we look at the others' (``sleep`` does the mirror image)
+        flag = tick + 1
+        for heads in self._others:
+            if heads[slot][0] != flag:
+                return tick, payload[:nbytes]  # a later publisher wakes the sleepers
         for asleep, wake in self._peers:
             if asleep[0]:
                 self.wakes += 1
