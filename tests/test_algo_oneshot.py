@@ -191,3 +191,39 @@ async def test_abort_while_waiting_in_the_mailbox() -> None:
             await asyncio.wait_for(fut, 5)
     finally:
         await asyncio.gather(*(c.close() for c in comms), return_exceptions=True)
+
+
+def test_only_the_last_publisher_wakes_and_only_sleepers() -> None:
+    """Three ranks, rank 0 published and sleeps: rank 1's publication wakes nobody (rank 2's
+    flag is still down, rank 2 will), rank 2's wakes rank 0 once and never rank 1 (awake)."""
+    boxes = mailbox.InprocMailboxes(3, 64).boxes
+    woken = [0, 0, 0]
+    for r, box in enumerate(boxes):
+        box.on_wake = lambda r=r: woken.__setitem__(r, woken[r] + 1)
+    boxes[0].publish(0, 7, np.ones(2, np.float32))
+    boxes[0].sleep()
+    boxes[1].publish(0, 7, np.ones(2, np.float32))
+    assert woken == [0, 0, 0]
+    boxes[2].publish(0, 7, np.ones(2, np.float32))
+    assert woken == [1, 0, 0]
+    assert [boxes[0].arrived(p, 0) for p in range(3)] == [(0, 7)] * 3
+    boxes[0].awake()
+    for box in boxes:  # the next tick: nobody sleeps, nobody is woken
+        box.publish(1, 7)
+    assert woken == [1, 0, 0]
+    assert boxes[1].arrived(0, 1) == (1, 7) and boxes[1].arrived(0, 0) == (0, 7)  # the other slot
+
+
+def test_spin_only_where_ranks_do_not_outnumber_cores(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(mailbox.os, "sched_getaffinity", lambda pid: {0, 1})
+    monkeypatch.delenv("AHCOMM_SPIN_US", raising=False)
+    assert mailbox.spin_budget(2) == pytest.approx(mailbox.SPIN_US * 1e-6)
+    assert mailbox.spin_budget(3) == 0.0 and mailbox.spin_budget(8) == 0.0
+    monkeypatch.setenv("AHCOMM_SPIN_US", "0")
+    assert mailbox.spin_budget(2) == 0.0
+    spin = mailbox.Spin(30e-6)
+    for _ in range(mailbox.Spin.GIVE_UP):  # fruitless spins in a row: it rests
+        assert spin.allowed() > 0
+        spin.result(False)
+    assert all(spin.allowed() == 0.0 for _ in range(mailbox.Spin.REST))
+    assert spin.allowed() > 0
