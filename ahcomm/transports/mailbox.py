@@ -33,7 +33,7 @@ from __future__ import annotations
 import os
 import platform
 import threading
-from typing import Callable
+from typing import Callable, Literal
 
 import numpy as np
 
@@ -130,6 +130,11 @@ class Spin:
                 self.misses, self.rest = 0, self.REST
 
 
+def _words(region: np.ndarray, fmt: Literal["q", "I"]) -> "memoryview[int]":
+    """``region`` (uint8) as a memoryview of ``fmt`` items (``q``: int64, ``I``: uint32)."""
+    return region.data.cast("B").cast(fmt)
+
+
 class Mailbox:
     """This rank's view of the host's boxes: ``boxes[r]`` is rank r's (uint8, mapped here),
     ``wakers[r]`` wakes rank r (None for this rank)."""
@@ -140,10 +145,12 @@ class Mailbox:
         self.capacity = capacity
         self.tick = 0  # publications so far (the same count on every rank: they publish in step)
         stride = HEADER + capacity
-        self._asleep = [box[:8].view(np.int64) for box in boxes]  # 1: its owner waits for a wake-up
+        # Header words as memoryviews: an item is a plain aligned load or store (a numpy scalar
+        # access costs ten times more); the payloads stay numpy.
+        self._asleep = [_words(box[:8], "q") for box in boxes]  # 1: its owner waits for a wake-up
         boxes = [box[HEADER:] for box in boxes]
-        self._head = [[box[s * stride:s * stride + 16].view(np.int64) for s in range(SLOTS)] for box in boxes]
-        self._meta = [[box[s * stride + 16:s * stride + 24].view(np.uint32) for s in range(SLOTS)] for box in boxes]
+        self._head = [[_words(box[s * stride:s * stride + 16], "q") for s in range(SLOTS)] for box in boxes]
+        self._meta = [[_words(box[s * stride + 16:s * stride + 24], "I") for s in range(SLOTS)] for box in boxes]
         self._data = [[box[s * stride + HEADER:(s + 1) * stride] for s in range(SLOTS)] for box in boxes]
         self._peers = [(self._asleep[r], w) for r, w in enumerate(wakers) if r != rank and w is not None]
         self._others = [self._head[r] for r in range(self.size) if r != rank]
@@ -199,14 +206,14 @@ class Mailbox:
         """(seq, fingerprint) of ``owner``'s publication ``tick``; None while it has not made it."""
         slot = tick & 1
         head = self._head[owner][slot]
-        if int(head[0]) != tick + 1:
+        if head[0] != tick + 1:
             return None
-        return int(head[1]), int(self._meta[owner][slot][0])
+        return head[1], self._meta[owner][slot][0]
 
     def payload(self, owner: int, tick: int) -> np.ndarray:
         """The bytes of ``owner``'s publication ``tick`` (uint8; read only after ``arrived``)."""
         slot = tick & 1
-        return self._data[owner][slot][:int(self._meta[owner][slot][1])]
+        return self._data[owner][slot][:self._meta[owner][slot][1]]
 
     def woken(self) -> None:
         """Called by the wake-up descriptor's reader (or a peer in this process)."""
