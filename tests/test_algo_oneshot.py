@@ -227,3 +227,26 @@ def test_spin_only_where_ranks_do_not_outnumber_cores(monkeypatch: pytest.Monkey
         spin.result(False)
     assert all(spin.allowed() == 0.0 for _ in range(mailbox.Spin.REST))
     assert spin.allowed() > 0
+
+
+async def test_a_lost_wake_up_costs_a_recheck_not_a_hang() -> None:
+    """Every wake-up dropped: a sleeping rank still finds its peers' flags (oneshot.RECHECK)."""
+    from ahcomm.algorithms import oneshot
+
+    comms = await ahcomm.init_inprocess(3)
+    try:
+        boxes = [c._executor.mailbox for c in comms]
+        for box in boxes:
+            assert box is not None
+            box._peers = [(asleep, lambda: None) for asleep, _ in box._peers]  # type: ignore[misc]
+
+        async def late(comm: ahcomm.Comm) -> Any:
+            await asyncio.sleep(0.02 * comm.rank)  # rank 0 sleeps in its mailbox first
+            return await comm.all_reduce(np.full(3, comm.rank + 1, np.int32), algorithm="oneshot")
+
+        results = await asyncio.wait_for(asyncio.gather(*(late(c) for c in comms)), 10 * oneshot.RECHECK + 5)
+        for got in results:
+            np.testing.assert_array_equal(got, [6, 6, 6])
+        assert sum(box.rechecks for box in boxes if box is not None) >= 1
+    finally:
+        await asyncio.gather(*(c.close() for c in comms))

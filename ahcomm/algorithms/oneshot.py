@@ -19,13 +19,18 @@ lost or an abort fails the run's wake-up notify, so a waiting rank raises at onc
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import numpy as np
 
+from .._notify import Notify
+from ..transports.mailbox import Mailbox
+
 from ._cost import CostModel, Work, call_bytes, npieces
 from .base import Algorithm, Call, Context, Resources, Topology
 
+RECHECK = 0.05  # seconds a sleeping waiter waits before it looks at the flags again, woken or not
 STEP = 1 / 3  # a mailbox step, in link alphas (see ``OneShot.cost``)
 OPS = frozenset({"all_reduce", "reduce_scatter", "all_gather", "broadcast", "barrier"})
 
@@ -127,6 +132,7 @@ async def _arrivals(ctx: Context, tick: int) -> None:
     flag = None
     spin = box.spin.allowed()
     deadline = 0.0
+    net: asyncio.TimerHandle | None = None
     try:
         while True:
             left = []
@@ -155,11 +161,23 @@ async def _arrivals(ctx: Context, tick: int) -> None:
                 box.on_wake = flag.post
                 box.sleep()
                 continue  # a publish may have landed before we were marked asleep: look once more
+            if net is not None:
+                net.cancel()
+            # the safety net: a wake-up lost for any reason costs RECHECK, never a hang
+            net = asyncio.get_running_loop().call_later(RECHECK, _poke, flag, box)
             await flag.wait()
     finally:
         if flag is not None:
             box.awake()
             box.on_wake = None
+        if net is not None:
+            net.cancel()
+
+
+def _poke(flag: Notify, box: Mailbox) -> None:
+    """The safety net's timer: look at the flags again."""
+    box.rechecks += 1
+    flag.post()
 
 
 def _differs(ctx: Context, peer: int, seq: int, fp: int) -> None:

@@ -155,6 +155,7 @@ class Mailbox:
         self._peers = [(self._asleep[r], w) for r, w in enumerate(wakers) if r != rank and w is not None]
         self._others = [self._head[r] for r in range(self.size) if r != rank]
         self.wakes = 0  # wake-ups sent (the others found their peer awake)
+        self.rechecks = 0  # looks a sleeping waiter took without a wake-up (oneshot's safety net)
         self.spin = Spin(spin_budget(self.size))
         self.on_wake: Waker | None = None  # set by whoever waits; called when a peer published
         self.closed = False
