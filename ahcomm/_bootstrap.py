@@ -29,6 +29,8 @@ from .algorithms._executor import Progress
 from .algorithms._selection import Selector
 from .algorithms.base import Topology
 from .transports._auth import Credentials
+from .transports._host_mailbox import HostMailbox
+from .transports.mailbox import InprocMailboxes, capacity_from_env
 from .transports._zmq import Channel
 from .transports.base import Link, Signal
 from .transports.inproc import InprocWorld
@@ -89,6 +91,7 @@ async def create(config: Config | None = None, *, rank: int | None = None, world
     else:
         buffers = CclBuffers.local(cfg.buffsize)
     channel: Channel | None = None
+    mbox: HostMailbox | None = None
     links: dict[int, Link] = {}
     progress = Progress(rank, size)
     cost_model = load_cost_model()
@@ -100,20 +103,30 @@ async def create(config: Config | None = None, *, rank: int | None = None, world
             tcp_host = cfg.if_ip or _interface(cfg) or local_address(cfg.master_addr)
             channel = Channel(rank, buffers, ipc=shared, tcp_host=tcp_host, creds=creds, heartbeat=cfg.heartbeat,
                               max_message=cfg.max_message)
+            mbox = _host_mailbox(rank) if shared else None
             info = {
                 "rank": rank, "size": size, "host": host, "endpoints": channel.endpoints,
                 "shm": [buffers.ccl_in.name, buffers.ccl_out.name] if shared else None,
                 "buffsize": buffers.nbytes, "pid": os.getpid(),
                 "probe": int(buffers.ccl_in.array.ctypes.data),  # lets same-host peers test single-copy reads
+                "mailbox": mbox.describe() if mbox is not None else None,
             }
             if rank == 0:  # every rank selects algorithms with rank 0's cost model
                 info["tuning"] = cost_model.to_dict()
             store = StorePort(cfg.master_addr, port, cfg.connect_timeout) if use_store else None
             table = await _rendezvous(rank, size, port, cfg, info, creds, store)
             links = _connect(rank, table, channel, cfg, host, progress)
+            if mbox is not None and HostMailbox.usable(table) and all(l.kind == "sdma" for l in links.values()):
+                mbox.attach(table)
+                mbox.start(asyncio.get_running_loop())
+            elif mbox is not None:
+                mbox.close()
+                mbox = None
             channel.start()
             await _handshake(rank, links, cfg.connect_timeout)
             buffers.unlink()  # every peer has mapped our buffers: no name left to leak
+            if mbox is not None:
+                mbox.unlink()
             hosts = tuple(e["host"] for e in table)
             try:
                 cost_model = CostModel.from_dict(table[0].get("tuning") or {})
@@ -122,15 +135,21 @@ async def create(config: Config | None = None, *, rank: int | None = None, world
         else:
             hosts = (host,)
     except BaseException:
+        if mbox is not None:
+            mbox.close()
         if channel is not None:
             channel.close()
         buffers.close()
         raise
     kinds = tuple("self" if p == rank else links[p].kind for p in range(size))
+    mailbox = mbox.mailbox if mbox is not None else None
     topo = Topology(rank=rank, size=size, hosts=hosts, link_kinds=kinds,
-                    all_mapped=all(link.mapped for link in links.values()))
+                    all_mapped=all(link.mapped for link in links.values()),
+                    mailbox=mailbox.capacity if mailbox is not None else 0)
 
     async def on_close() -> None:
+        if mbox is not None:
+            mbox.close()
         if channel is not None:
             channel.close()
         buffers.close()
@@ -138,6 +157,7 @@ async def create(config: Config | None = None, *, rank: int | None = None, world
     comm = Comm(rank=rank, size=size, links=links, buffers=buffers, topo=topo, progress=progress,
                 selector=Selector(REGISTRY, cfg.algo, cost_model), exec_timeout=cfg.exec_timeout,
                 on_close=on_close)
+    comm._executor.mailbox = mailbox
     tracing = _trace.tracer_of(comm) is not None
     if size > 1:
         single, every_rank_traces = await _agree(comm, cfg.single_copy and all(l.single_copy for l in links.values()),
@@ -149,6 +169,18 @@ async def create(config: Config | None = None, *, rank: int | None = None, world
         elif tracing:  # this rank's clock offset to rank 0's, for merged timelines
             await _trace.estimate_offsets(comm)
     return comm
+
+
+def _host_mailbox(rank: int) -> HostMailbox | None:
+    """This rank's mailbox (AHCOMM_MAILBOX_BYTES; None where off or where /dev/shm refuses it)."""
+    capacity = capacity_from_env()
+    if capacity <= 0:
+        return None
+    try:
+        return HostMailbox(rank, capacity)
+    except OSError as exc:
+        logging.getLogger("ahcomm").warning("rank %d: no mailbox for small collectives (%s)", rank, exc)
+        return None
 
 
 async def _agree(comm: Comm, single_copy: bool, tracing: bool) -> tuple[bool, bool]:
@@ -240,6 +272,8 @@ async def create_inprocess(size: int, *, buffsize: int | None = None, algo: str 
     cfg = dataclasses.replace(Config.from_env({}), single_copy=single_copy)
     nbytes = buffsize or cfg.buffsize
     world = InprocWorld(size)
+    capacity = capacity_from_env() if size > 1 else 0
+    boxes = InprocMailboxes(size, capacity).boxes if capacity else None
     cost_model = load_cost_model()
     for r in range(size):
         world.register(r, CclBuffers.local(nbytes))
@@ -249,7 +283,9 @@ async def create_inprocess(size: int, *, buffsize: int | None = None, algo: str 
         links: dict[int, Link] = dict(world.connect(r, progress.reached))
         kinds = tuple("self" if p == r else "inproc" for p in range(size))
         topo = Topology(rank=r, size=size, hosts=("inproc",) * size, link_kinds=kinds, all_mapped=True,
-                        single_copy=cfg.single_copy)
-        comms.append(Comm(rank=r, size=size, links=links, buffers=world.buffers[r], topo=topo, progress=progress,
-                          selector=Selector(REGISTRY, algo, cost_model), exec_timeout=cfg.exec_timeout))
+                        single_copy=cfg.single_copy, mailbox=capacity if boxes else 0)
+        comm = Comm(rank=r, size=size, links=links, buffers=world.buffers[r], topo=topo, progress=progress,
+                    selector=Selector(REGISTRY, algo, cost_model), exec_timeout=cfg.exec_timeout)
+        comm._executor.mailbox = boxes[r] if boxes else None
+        comms.append(comm)
     return comms

@@ -59,6 +59,9 @@ from .transports.base import Link
 
 
 
+_UFUNCS: dict[tuple[ReduceOp, np.dtype], np.ufunc] = {}  # ufunc_for's answers (a few dozen at most)
+
+
 @dataclass(slots=True)
 class _Job:
     call: Call
@@ -356,7 +359,10 @@ class Comm(Health, BlockedCollectives, ObjectCollectives, PointToPoint):
                 if self._error is not None:  # its fingerprint differs from a peer's
                     raise self._error
         assert job.algorithm is not None
-        ufunc = ufunc_for(call.redop, call.dtype) if call.redop is not None else None
+        ufunc = None
+        if call.redop is not None:  # checked when the call was made: remembered per (op, dtype)
+            ufunc = _UFUNCS.get((call.redop, call.dtype)) or _UFUNCS.setdefault(
+                (call.redop, call.dtype), ufunc_for(call.redop, call.dtype))
         loop = asyncio.get_running_loop()
         now = loop.time()
         self._running, self._started, self._started_seq = job, now, call.seq

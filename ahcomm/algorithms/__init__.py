@@ -8,6 +8,7 @@ from .hierarchical import Hierarchical
 from .mesh import Mesh
 from .nb import NB
 from .nhr import NHR
+from .oneshot import OneShot
 from .pairwise import Pairwise
 from .rhd import RHD
 from .ring import Ring
@@ -25,6 +26,7 @@ REGISTRY.register(NHR())
 REGISTRY.register(Tree())
 REGISTRY.register(Star())
 REGISTRY.register(Hierarchical())
+REGISTRY.register(OneShot())
 
 
 def register(algorithm: Algorithm) -> Algorithm:

@@ -32,6 +32,7 @@ from .._dtypes import ReduceOp
 from .._notify import Notify
 from .._stream import Stream, TaskFn
 from ..transports.base import Link, Signal
+from ..transports.mailbox import Mailbox
 
 if TYPE_CHECKING:
     from ._cost import CostModel
@@ -42,6 +43,9 @@ ALIGN = 64  # byte alignment of every region an algorithm carves from a CCL buff
 # ``Channels`` (or read peers' memory). All but reduce carry per-rank ``Call.counts``.
 WHOLE = frozenset({"reduce", "gather", "scatter", "all_to_all", "all_gather_v", "reduce_scatter_v",
                      "gather_v", "scatter_v", "all_to_all_v"})
+
+
+_FINGERPRINTS: dict[tuple[object, ...], int] = {}  # fingerprints of recent kinds of call (the f-string is slow)
 
 
 @dataclass(slots=True)
@@ -84,9 +88,16 @@ class Call:
             # Sizes every rank agrees on: the per-rank counts where the op has them (a rank's own
             # count differs across ranks there), none for all_to_all_v (each rank has its own row).
             sizes = "" if self.op == "all_to_all_v" else self.counts if self.counts is not None else self.count
-            key = f"{self.op}|{self.dtype.str}{self.dtype.name}|{sizes}|{self.redop and self.redop.value}|" \
-                  f"{self.root}|{self.group}"
-            fp = self._fp = zlib.crc32(key.encode()) or 1
+            memo = (self.op, self.dtype, sizes, self.redop, self.root, self.group)
+            fp = _FINGERPRINTS.get(memo, 0)
+            if not fp:
+                key = f"{self.op}|{self.dtype.str}{self.dtype.name}|{sizes}|{self.redop and self.redop.value}|" \
+                      f"{self.root}|{self.group}"
+                fp = zlib.crc32(key.encode()) or 1
+                if len(_FINGERPRINTS) >= 4096:
+                    _FINGERPRINTS.clear()
+                _FINGERPRINTS[memo] = fp
+            self._fp = fp
         return fp
 
     @property
@@ -115,6 +126,7 @@ class Topology:
     link_kinds: tuple[str, ...]  # kind of the link to every rank ("self" for this rank)
     all_mapped: bool = False  # every link maps its peer's CCL buffers (Link.mapped)
     single_copy: bool = False  # every rank can read every peer's memory (agreed at init)
+    mailbox: int = 0  # payload bytes of a mailbox slot (``Context.mailbox``); 0: no mailboxes
 
     @cached_property
     def servers(self) -> int:
@@ -135,7 +147,7 @@ class Context:
     def __init__(self, *, call: Call, topo: Topology, links: dict[int, Link], src: np.ndarray,
                  dst: np.ndarray, ccl_in: np.ndarray, ccl_out: np.ndarray, half_offset: int, main: Stream,
                  subs: Sequence[Stream], ufunc: np.ufunc | None, final: bool = True,
-                 scratch: Callable[[int], np.ndarray] | None = None) -> None:
+                 scratch: Callable[[int], np.ndarray] | None = None, mailbox: Mailbox | None = None) -> None:
         self.call = call
         self.topo = topo
         self.rank = topo.rank
@@ -151,6 +163,7 @@ class Context:
         self.ufunc = ufunc
         self.final = final  # the last slice of this collective
         self._scratch = scratch
+        self.mailbox = mailbox  # the host's mailboxes (one-shot algorithms), where ``topo.mailbox``
         self.fingerprint = call.fingerprint
         self._locals: dict[Hashable, Notify] = {}
         self._error: BaseException | None = None
@@ -252,6 +265,7 @@ class Algorithm(ABC):
 
     name: ClassVar[str]
     ops: ClassVar[frozenset[str]]
+    exchanges: ClassVar[bool] = False  # every rank hears from every peer in every run (see the executor)
 
     def select(self, call: Call, topo: Topology) -> bool:
         """Whether this algorithm can run ``call`` on ``topo``."""
