@@ -24,8 +24,15 @@ def launch(n: int, *program: str, env: dict[str, str] | None = None, timeout: fl
 
 
 def shm_names() -> set[str]:
-    """ahcomm's shared-memory names on this host (each is unlinked once every peer mapped it)."""
-    return {p.name for p in Path("/dev/shm").glob("ahcomm-*")}
+    """ahcomm's shared-memory names on this host whose creator is gone (``ahcomm-<pid>-...``):
+    what a finished job left behind. Names of jobs still running (another test's, or another
+    user's on a shared machine) are not counted."""
+    left = set()
+    for path in Path("/dev/shm").glob("ahcomm-*"):
+        pid = path.name.split("-")[1]
+        if not (pid.isdigit() and Path(f"/proc/{pid}").exists()):
+            left.add(path.name)
+    return left
 
 
 def cma_works() -> bool:
