@@ -297,8 +297,8 @@ class BlockedCollectives:
             assert out is not None
             self._check_open()
             self._input(out, what)
-            if what == "scatter" and out.ndim:  # even blocks: the whole is size x out's rows
-                return out.reshape(out.shape[0] * self.size, *out.shape[1:])
+            if what == "scatter" and out.ndim:  # even blocks: the whole is size x out's rows (a view of nothing)
+                return np.broadcast_to(np.empty((), out.dtype), (out.shape[0] * self.size, *out.shape[1:]))
             return np.empty((0, *out.shape[1:]), out.dtype) if out.ndim else out  # only dtype and row shape count
         arr, _ = self._input(x, what)
         return arr
