@@ -65,12 +65,13 @@ class PointToPoint:
     def send(self, x: Any, dst: int, *, tag: int = 0, timeout: float | None = None) -> "asyncio.Future[None]":
         """Send ``x`` to rank ``dst``; done when ``dst`` holds the bytes (x may then be reused).
 
-        A bad ``x`` or ``timeout`` raises here and is sent in place of the message: the
-        matching ``recv`` raises it too (naming this rank) rather than waiting."""
+        A bad ``x`` (which only this rank can check) raises here and is sent in place of the
+        message: the matching ``recv`` raises it too (naming this rank) rather than waiting.
+        Bad ``dst``, ``tag`` or ``timeout`` (checked alike by ``recv``) send nothing."""
+        timeout = check_timeout(timeout, "send")
         link = self._peer_link(dst, "send", tag)
         try:
             arr, _ = self._input(x, "send")
-            timeout = check_timeout(timeout, "send")
         except (InvalidArgument, InvalidDtype) as exc:
             self._send_refusal(link, int(dst), tag, exc)
             raise
