@@ -203,3 +203,43 @@ async def test_barrier_takes_algorithm() -> None:
         await comm.barrier(timeout=T)
 
     await run_inproc(3, body)
+
+
+async def test_a_device_input_that_fails_to_stage_fails_every_rank_naming_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Staging fails after the run started (slice by slice): the peers are mid-protocol, so the
+    communicator fails on every rank, and the peers' error names the rank, the type and text."""
+    import ahcomm._comm as comm_module
+
+    class Failing:
+        def wait(self) -> None:
+            pass
+
+        async def ready(self, lo: int, hi: int) -> None:
+            raise RuntimeError("device copy failed")
+
+    given = iter([Failing()])
+    monkeypatch.setattr(comm_module, "take_staging", lambda: next(given, None))
+    comms = await ahcomm.init_inprocess(2)
+    try:
+        results = await asyncio.wait_for(asyncio.gather(*(c.all_reduce(np.ones(4), timeout=T) for c in comms),
+                                                        return_exceptions=True), 3 * T)
+        assert isinstance(results[0], RuntimeError)
+        assert isinstance(results[1], ahcomm.PeerFailure) and results[1].rank == 0
+        assert "all_reduce #0 failed on rank 0: RuntimeError: device copy failed" in str(results[1])
+    finally:
+        await asyncio.gather(*(c.close() for c in comms))
+
+
+async def test_counts_given_on_some_ranks_only_fail_every_rank_at_once() -> None:
+    """gather_v with counts= on rank 0 only: the others exchange counts first (one collective
+    more), so the calls no longer pair up: a mismatch within seconds, not a wait."""
+    comms = await ahcomm.init_inprocess(2)
+    try:
+        start = asyncio.get_running_loop().time()
+        results = await asyncio.wait_for(asyncio.gather(
+            *(c.gather_v(np.ones((1, 2)), counts=[1, 1] if c.rank == 0 else None, timeout=T) for c in comms),
+            return_exceptions=True), 3 * T)
+        assert all(isinstance(r, ahcomm.CollectiveMismatchError) for r in results), results
+        assert asyncio.get_running_loop().time() - start < T / 2
+    finally:
+        await asyncio.gather(*(c.close() for c in comms))
