@@ -43,16 +43,16 @@ import numpy as np
 
 from . import _flight
 from ._buffers import CclBuffers
-from ._collectives import BlockedCollectives, flat_view, retrieved
+from ._collectives import BlockedCollectives, flat_view
 from ._devices import device_aware, take_staging
 from ._dtypes import ReduceOp, check_dtype, check_reduce, ufunc_for
-from ._errors import CommClosedError, InvalidArgument, UsageError, WrongLoopError, check_timeout
+from ._errors import CommClosedError, InvalidArgument, UsageError, check_timeout
 from . import _groups, _health
 from ._health import Health
 from ._objects import ObjectCollectives
 from ._p2p import PointToPoint
 from ._retire import Retirement
-from ._sync import ThreadsafeCalls, wrong_loop
+from ._sync import ThreadsafeCalls
 from ._flight import Entry, FlightRecorder
 from .algorithms._executor import Executor, Progress
 from .algorithms._selection import Selector
@@ -247,28 +247,6 @@ class Comm(Health, Retirement, ThreadsafeCalls, BlockedCollectives, ObjectCollec
             raise CommClosedError(f"communicator (rank {self.rank}) is closed")
         if self._error is not None:
             raise CommClosedError(f"communicator (rank {self.rank}) failed earlier: {self._error}") from self._error
-
-    def _not_my_loop(self, loop: asyncio.AbstractEventLoop | None) -> None:
-        if self._loop is None and loop is not None:  # made outside a loop: the first one owns it
-            self._loop, self._thread = loop, threading.get_ident()
-            _flight.watch(self, loop)
-            return
-        raise WrongLoopError(wrong_loop(self, loop))
-
-    def _reject(self, op: str, exc: UsageError, root: int = 0) -> UsageError:
-        """``exc`` is a check that only some ranks can make (a root-only argument, this rank's
-        own rows): the call still takes its sequence number here and is retired, so every rank
-        agrees about it (see ``_retire``). Returns ``exc`` for the caller to raise."""
-        if self.size > 1 and self._error is None and not self._closed:
-            empty = np.empty(0, np.uint8)
-
-            def rejected(job: _Job) -> None:
-                raise exc
-
-            call = Call(op=op, seq=self._seq, dtype=empty.dtype, count=0, root=int(root))
-            done = self._submit(call, empty, empty, None, None, None, prepare=rejected, later=True)
-            done.add_done_callback(retrieved)  # the caller gets exc at once
-        return exc
 
     def _check_root(self, root: int, what: str) -> None:
         if not isinstance(root, (int, np.integer)) or not 0 <= int(root) < self.size:
@@ -486,12 +464,7 @@ class Comm(Health, Retirement, ThreadsafeCalls, BlockedCollectives, ObjectCollec
         """Finish pending collectives, meet the other ranks, and release every resource."""
         if self._closed:
             return
-        try:
-            loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
-        except RuntimeError:
-            loop = None
-        if loop is not self._loop:  # its own loop only
-            self._not_my_loop(loop)
+        self._check_loop()
         for child in list(self._children):  # its links ride on ours
             await child.close()
         try:

@@ -17,10 +17,15 @@ rejected it when a signal of the other's run arrives (or had arrived).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+import asyncio
+from typing import TYPE_CHECKING, Any, Callable
 
-from ._errors import CollectiveMismatchError
+import numpy as np
+
+from ._collectives import retrieved
+from ._errors import CollectiveMismatchError, UsageError
 from ._health import _pack
+from .algorithms.base import Call
 
 if TYPE_CHECKING:
     from ._comm import _Job
@@ -44,7 +49,14 @@ class Retirement:
         _done_seq: int
         _early: dict[int, list[tuple[int, int]]]
 
+        _seq: int
+        _closed: bool
+
         def _name(self, rank: int) -> str: ...
+        def _submit(self, call: Call, src: np.ndarray, dst: np.ndarray, result: Any,
+                    finish: Callable[[], None] | None, algorithm: str | None, *,
+                    prepare: Callable[[_Job], None] | None = None,
+                    later: bool = False, timeout: float | None = None) -> asyncio.Future[Any]: ...
         def _record(self, reason: str) -> tuple[str, str | None]: ...
         def _fail(self, error: BaseException, *, tell: tuple[str, str] | None = None, record: bool = True,
                   extra: dict[str, Any] | None = None) -> None: ...
@@ -55,6 +67,21 @@ class Retirement:
         self._retired: dict[int, tuple[str, str]] = {}  # seq -> (op, error) of calls rejected here
         # seq -> (peer, op, error, whether it had started the run) for calls not reached here yet
         self._peer_retired: dict[int, tuple[int, str, str, bool]] = {}
+
+    def _reject(self, op: str, exc: UsageError, root: int = 0) -> UsageError:
+        """``exc`` is a check that only some ranks can make (a root-only argument, this rank's
+        own rows): the call still takes its sequence number here and is retired in its turn,
+        so every rank agrees about it. Returns ``exc`` for the caller to raise."""
+        if self.size > 1 and self._error is None and not self._closed:
+            empty = np.empty(0, np.uint8)
+
+            def rejected(job: _Job) -> None:
+                raise exc
+
+            call = Call(op=op, seq=self._seq, dtype=empty.dtype, count=0, root=int(root))
+            done = self._submit(call, empty, empty, None, None, None, prepare=rejected, later=True)
+            done.add_done_callback(retrieved)  # the caller gets exc at once
+        return exc
 
     def _retire(self, job: _Job, exc: BaseException) -> None:
         """``job`` was rejected here before anything was sent: give the caller ``exc``, tell the peers."""

@@ -17,9 +17,10 @@ import asyncio
 import concurrent.futures
 import threading
 from collections import deque
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, cast
 
-from ._errors import CommClosedError, UsageError
+from . import _flight
+from ._errors import CommClosedError, UsageError, WrongLoopError
 
 if TYPE_CHECKING:
     from ._comm import Comm
@@ -53,6 +54,22 @@ class ThreadsafeCalls:
         _loop: asyncio.AbstractEventLoop | None
         _thread: int
         rank: int
+
+    def _check_loop(self) -> None:
+        """Raise ``WrongLoopError`` unless called on this communicator's loop."""
+        try:
+            loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+        except RuntimeError:
+            loop = None
+        if loop is not self._loop:
+            self._not_my_loop(loop)
+
+    def _not_my_loop(self, loop: asyncio.AbstractEventLoop | None) -> None:
+        if self._loop is None and loop is not None:  # made outside a loop: the first one owns it
+            self._loop, self._thread = loop, threading.get_ident()
+            _flight.watch(cast(Any, self), loop)
+            return
+        raise WrongLoopError(wrong_loop(self, loop))
 
     def _sync_init(self) -> None:
         self._inbox: deque[tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any],
