@@ -155,8 +155,10 @@ async def main():
             raise KeyError("no such key on rank one")
         try:
             await comm.all_reduce(np.ones(2), timeout=60)
-        except ahcomm.PeerFailure as exc:
+        except ahcomm.PeerFailure as exc:  # rank 1's word came while it waited
             print("PEER-FAILURE:", exc, flush=True)
+        except ahcomm.CommClosedError as exc:  # or before it called
+            print("PEER-FAILURE:", exc.__cause__, flush=True)
 asyncio.run(main())
 """
 
