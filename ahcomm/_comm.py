@@ -22,6 +22,9 @@ Reliability (always on):
   ranks that had not arrived; the peers are told the same.
 * A lost peer (``Link.on_lost``: the transport saw its socket close or its heartbeats stop)
   fails the communicator with ``PeerFailure`` naming the peer and the collective in flight.
+* A call rejected after it took its sequence number (or by some ranks only) is retired:
+  every rank that rejected it raises, and the peers are told (``_retire``); if some rank ran
+  it instead, every rank fails with ``CollectiveMismatchError`` naming the rejecting rank.
 * Every failure writes the flight recorder (``_flight``) as JSON and names the file; SIGUSR1
   prints each communicator's state to stderr.
 
