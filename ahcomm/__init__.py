@@ -54,8 +54,10 @@ from ._errors import (
     PeerFailure,
     TransportError,
     UsageError,
+    WrongLoopError,
 )
 from ._p2p import P2POp
+from ._sync import SyncComm
 from ._rootinfo import get_root_info
 
 __version__ = "0.1.0"
@@ -63,7 +65,8 @@ __version__ = "0.1.0"
 __all__ = [
     "AhcommError", "CollectiveMismatchError", "CollectiveTimeout", "Comm", "CommClosedError",
     "CommunicationError", "Config", "ConfigError", "ConnectError", "Gathered", "InvalidArgument", "InvalidDtype",
-    "P2POp", "PeerFailure", "ReduceOp", "SUPPORTED_DTYPES", "TransportError", "UsageError", "algorithms",
+    "P2POp", "PeerFailure", "ReduceOp", "SUPPORTED_DTYPES", "SyncComm", "TransportError", "UsageError",
+    "WrongLoopError", "algorithms",
     "all_gather", "all_gather_object", "all_gather_v", "all_reduce", "all_to_all", "all_to_all_v", "barrier",
     "batch_send_recv", "broadcast", "broadcast_object", "default_comm", "finalize", "gather", "gather_object",
     "gather_v", "get_rank", "get_root_info", "get_world_size", "init", "init_inprocess", "recv", "reduce", "reduce_scatter",

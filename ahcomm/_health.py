@@ -62,6 +62,10 @@ class Health:
     _thread: int
     _loop: asyncio.AbstractEventLoop | None
 
+    if TYPE_CHECKING:  # Retirement (``_retire``)
+        def _on_retired(self, peer: int, msg: dict[str, Any]) -> None: ...
+        def _ran_retired(self, peer: int, seq: int) -> bool: ...
+
     # -- mismatch detection -----------------------------------------------------------------
     def _on_fingerprint(self, peer: int, seq: int, fp: int) -> None:
         """Every signal a peer posts: is its call ``seq`` ours? (the hot path: one dict lookup)"""
@@ -74,6 +78,8 @@ class Health:
     def _fingerprint_differs(self, peer: int, seq: int, fp: int) -> None:
         mine = self._fps.get(seq)
         if mine is None and seq < self._seq:  # finished here (or failed): the flight record knows it
+            if self._ran_retired(peer, seq):  # it was rejected here
+                return
             entry = self._flight.find(seq)
             if entry is None or not entry.call._fp:
                 return  # too old to check, or never prepared
@@ -247,6 +253,8 @@ class Health:
                 self._reply(peer, msg, self._status())
             elif kind == "fail":
                 self._told(peer, msg)
+            elif kind == "ret":
+                self._on_retired(peer, msg)
         except Exception:  # noqa: BLE001 - a malformed message must not break the transport's reader
             pass
 
