@@ -21,8 +21,8 @@ from ._config import Config
 from ._errors import ConfigError, ConnectError
 from ._rendezvous import host_identity, interface_addresses, local_address, match_interface, register, serve
 from .algorithms import REGISTRY
-from .algorithms._cost import CostModel
-from .algorithms._cost import load as load_cost_model
+from .algorithms.cost import CostModel
+from .algorithms.cost import load as load_cost_model
 from .algorithms._executor import Progress
 from .algorithms._selection import Selector
 from .algorithms.base import Topology

@@ -21,7 +21,7 @@ import pytest
 import ahcomm
 from ahcomm.algorithms import REGISTRY, Call, Topology
 from ahcomm.algorithms import hierarchical
-from ahcomm.algorithms._cost import CostModel
+from ahcomm.algorithms.cost import CostModel
 from ahcomm.algorithms._hier import Layout, tree
 from conftest import assert_close, reduce_ref
 

@@ -13,7 +13,7 @@ import math
 
 from .._errors import ConfigError, InvalidArgument
 from . import hierarchical
-from ._cost import CostModel
+from .cost import CostModel
 from .base import Algorithm, Call, Registry, Topology
 
 _OP_ALIASES = {op.replace("_", ""): op for op in (

@@ -1,0 +1,225 @@
+"""The alpha-beta cost model that picks an algorithm per call (HCCL's level-1 choice, NCCL's tuning).
+
+Each algorithm estimates its time for a call from a ``CostModel`` and a ``Work``, what the
+busiest rank does on the critical path:
+
+    (rounds * hop + handoffs * (hop - 1)) * alpha
+        + (tasks * task + engines * engine + link_bytes * beta + reduced_bytes * gamma
+           + copied_bytes * copy) * slowdown
+
+Of the slowest link kind the call crosses: ``alpha``, seconds per dependent one-way step (a
+notify that wakes a peer's event loop), and ``beta``, seconds per byte a rank sends or
+receives through a link's slots (put, DataSignal, credit, piece by piece, as ring and the
+``Channels`` algorithms move data; ``link_bytes`` counts both directions, which both load
+the host). Of the host: ``gamma``, seconds per byte reduced; ``copy``, per byte copied
+(staging, and reads or writes of a peer's mapped buffer or, single copy, of its memory, as
+mesh and star move data); ``task``, per link notify a rank posts (DataSignal, Ack: the
+sender's and the woken receiver's event-loop work; a pipelined transfer posts one DataSignal
+and one Ack per piece); ``engine``, per memory task big enough (``ENGINE_BYTES``) to go to a
+stream's copy engine (the hand-off to the thread and the wake-up when it is done).
+
+Oversubscription: with more working ranks on a host than it has cores (``CostModel.cores``,
+which rank 0 hands to every rank with the rest of the model), ranks wait for a core. With
+``active = min(busy, ranks on the most crowded host)`` - ``busy`` is how many ranks work at
+once, all of them (None) for the symmetric algorithms, fewer where one rank does most of
+the work (star) or a chain keeps only a few busy - a step costs ``hop = active / cores``
+(at least 1) times more, a hand-off between a rank's own streams (a local notify, as a
+step-wise algorithm forwards what it just received) is no longer free but costs ``hop - 1``
+steps, and CPU work takes ``slowdown = active / cores`` times longer. Where cores are left
+over, a rank that spreads its memory work over several copy engines (``streams``) gets up
+to that many of them (``slowdown`` < 1).
+
+The numbers come from a calibration on the host (``ahcomm-bench calibrate``, cached in a JSON
+file) or, without one, from defaults fitted to sweeps on a 2-core x86 host. Rank 0's model
+is handed to every rank at init, so every rank computes the same costs and picks the same
+algorithm; a cost must not depend on what differs between ranks (the rank, all_to_all_v's
+per-rank counts).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from .._stream import ENGINE_THRESHOLD as ENGINE_BYTES
+from .call import Call, Topology
+
+MODEL_VERSION = 2  # calibrations written with another meaning of the numbers are ignored
+HALF_BYTES = 32 << 20  # a CCL half at the default AHCOMM_BUFFSIZE: how the executor slices big calls
+
+
+@dataclass(frozen=True)
+class LinkCost:
+    alpha: float  # seconds per dependent step on this link kind
+    beta: float  # seconds per byte moved over it
+
+
+def _default_links() -> dict[str, LinkCost]:
+    return {
+        "inproc": LinkCost(alpha=25e-6, beta=1 / 5.0e9),
+        "sdma": LinkCost(alpha=150e-6, beta=0.3e-9),
+        "rdma": LinkCost(alpha=150e-6, beta=0.75e-9),
+    }
+
+
+@dataclass(frozen=True)
+class CostModel:
+    links: dict[str, LinkCost] = field(default_factory=_default_links)
+    gamma: float = 0.12e-9  # seconds per byte reduced (one ufunc pass over two operands)
+    copy: float = 0.12e-9  # seconds per byte copied locally
+    task: float = 175e-6  # seconds per link notify posted (the sender's and the receiver's loop work)
+    engine: float = 150e-6  # seconds per memory task handed to a copy engine (thread hand-off, wake-up)
+    cores: int = 0  # CPU cores of the host (rank 0's, see ``load``); 0: unknown, oversubscription not modelled
+    source: str = "defaults"
+
+    def link(self, topo: Topology) -> LinkCost:
+        """The slowest link kind among ``topo``'s links (what a flat algorithm is bound by)."""
+        kinds = [k for k in topo.link_kinds if k != "self"]
+        if not kinds:
+            return self.links.get("inproc", LinkCost(0.0, 0.0))
+        costs = [self.links.get(k, self.links["rdma"]) for k in set(kinds)]
+        return max(costs, key=lambda c: (c.beta, c.alpha))
+
+    def per_host(self, topo: Topology) -> int:
+        """Ranks on the most crowded host."""
+        counts: dict[str, int] = {}
+        for host in topo.hosts:
+            counts[host] = counts.get(host, 0) + 1
+        return max(counts.values(), default=1)
+
+    def active(self, topo: Topology, busy: float | None = None) -> float:
+        """Ranks of the most crowded host that work at once (``busy``; None: all of them)."""
+        here = self.per_host(topo)
+        return float(here) if busy is None else max(1.0, min(float(busy), here))
+
+    def hop(self, topo: Topology, busy: float | None = None) -> float:
+        """How much longer a dependent step takes because ``busy`` ranks of a host (None: all)
+        wait for its cores (>= 1)."""
+        if self.cores <= 0:
+            return 1.0
+        return max(1.0, self.active(topo, busy) / self.cores)
+
+    def slowdown(self, topo: Topology, busy: float | None = None, streams: int = 1) -> float:
+        """How much longer (< 1: shorter) CPU work takes than on one core of its own, when
+        ``busy`` ranks of a host work at once (None: all of them) and the busiest one spreads
+        its memory work over ``streams`` copy engines."""
+        if self.cores <= 0:
+            return 1.0
+        share = self.cores / self.active(topo, busy)  # cores per working rank
+        return 1.0 / min(max(1, streams), share) if share >= 1 else 1.0 / share
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"version": MODEL_VERSION, "links": {k: asdict(v) for k, v in self.links.items()},
+                "gamma": self.gamma, "copy": self.copy, "task": self.task, "engine": self.engine, "cores": self.cores,
+                "source": self.source}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "CostModel":
+        """The model in ``data``; the defaults where ``data`` lacks a number or comes from an older
+        calibration (another meaning of alpha), keeping its ``cores``."""
+        default = cls()
+        cores = int(data.get("cores", 0) or 0)
+        if int(data.get("version", 1)) != MODEL_VERSION:
+            return replace(default, cores=cores)
+        links = _default_links()
+        for kind, values in dict(data.get("links", {})).items():
+            links[str(kind)] = LinkCost(alpha=float(values["alpha"]), beta=float(values["beta"]))
+        return cls(links=links, gamma=float(data.get("gamma", default.gamma)),
+                   copy=float(data.get("copy", default.copy)), task=float(data.get("task", default.task)),
+                   engine=float(data.get("engine", default.engine)),
+                   cores=cores, source=str(data.get("source", "file")))
+
+
+def cache_path() -> Path:
+    """Where the calibration lives: AHCOMM_TUNING_FILE, else ~/.cache/ahcomm/calibration.json."""
+    override = os.environ.get("AHCOMM_TUNING_FILE")
+    if override:
+        return Path(override)
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return base / "ahcomm" / "calibration.json"
+
+
+def load() -> CostModel:
+    """The cached calibration, or the defaults when there is none (or it cannot be read).
+
+    Where the file does not say how many cores the host has, this process's count is taken
+    (only rank 0's model is used by a job, so every rank still agrees).
+    """
+    path = cache_path()
+    try:
+        model = CostModel.from_dict(json.loads(path.read_text()))
+    except (OSError, ValueError, KeyError, TypeError):
+        model = CostModel()
+    if model.cores <= 0:
+        model = replace(model, cores=os.cpu_count() or 1)
+    return model
+
+
+def save(model: CostModel) -> Path:
+    path = cache_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(model.to_dict(), indent=1))
+    return path
+
+
+@dataclass(frozen=True)
+class Work:
+    """What the busiest rank does in a call, in the model's units (see the module docstring)."""
+
+    rounds: float = 0.0  # dependent one-way steps (notifies on the critical path)
+    handoffs: float = 0.0  # hand-offs between this rank's streams on the critical path (local notifies)
+    link: float = 0.0  # bytes this rank sends plus bytes it receives through links' slots
+    reduced: float = 0.0  # bytes of reduction
+    copied: float = 0.0  # bytes copied in memory (staging, reads out of mapped peer buffers)
+    tasks: float = 0.0  # link notifies posted (DataSignal, Ack, ...), each waking a peer
+    engines: float = 0.0  # memory tasks of at least ENGINE_BYTES (copy-engine hand-offs)
+    busy: float | None = None  # ranks working as hard as this one at once (None: all of them)
+    streams: int = 1  # copy engines the busiest rank keeps busy at once
+
+    def seconds(self, model: CostModel, topo: Topology) -> float:
+        link = model.link(topo)
+        cpu = (self.tasks * model.task + self.engines * model.engine + self.link * link.beta
+               + self.reduced * model.gamma + self.copied * model.copy)
+        hop = model.hop(topo, self.busy)
+        return ((self.rounds * hop + self.handoffs * (hop - 1.0)) * link.alpha
+                + cpu * model.slowdown(topo, self.busy, self.streams))
+
+
+def log2up(n: int) -> int:
+    """ceil(log2 n) for n >= 1."""
+    return max(0, (n - 1).bit_length())
+
+
+def engine_tasks(nbytes: float, piece: int = 0) -> int:
+    """Memory tasks that go to a copy engine when ``nbytes`` is handled in pieces of at most
+    ``piece`` bytes (0: in one task)."""
+    p = npieces(nbytes, piece) if piece else 1
+    return p if nbytes / p >= ENGINE_BYTES else 0
+
+
+def npieces(nbytes: float, piece: int) -> int:
+    """Pieces of at most ``piece`` bytes that ``nbytes`` is cut into (at least 1)."""
+    return max(1, math.ceil(nbytes / piece)) if piece > 0 else 1
+
+
+def call_bytes(call: Call, n: int) -> tuple[float, float]:
+    """(whole bytes, largest per-rank block bytes) of a call.
+
+    Whole: the vector (all_reduce, broadcast, reduce), all blocks together (all_gather,
+    reduce_scatter, gather, scatter and their v variants) or, for all_to_all, the larger of
+    what this rank sends and receives. Block: the largest block one rank owns.
+    """
+    item = call.itemsize
+    if call.counts is None:
+        if call.op in ("all_gather", "reduce_scatter"):
+            return float(call.count * item * n), float(call.count * item)
+        return float(call.count * item), float(call.count * item / max(1, n))
+    if call.op.startswith("all_to_all"):
+        recv = call.recv_counts or call.counts
+        blocks = max(max(call.counts, default=0), max(recv, default=0))
+        return float(max(sum(call.counts), sum(recv)) * item), float(blocks * item)
+    return float(sum(call.counts) * item), float(max(call.counts, default=0) * item)
