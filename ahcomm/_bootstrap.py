@@ -1,7 +1,10 @@
 """Building a communicator: rendezvous, CCL buffers, one link per peer, a first handshake.
 
-The transport of each peer is chosen from a table tried in order (as NCCL does): sdma if
-the peer is on this host (and AHCOMM_TRANSPORT does not force rdma), else rdma.
+The transport of each peer is chosen from ``TRANSPORTS``, a table of (name, can connect,
+open) entries tried in order, as NCCL tries ``ncclTransports[]``: the first whose predicate
+accepts the peer opens its link. sdma takes a peer on this host whose CCL buffers are in
+shared memory and that listens on ipc (unless AHCOMM_TRANSPORT=rdma), rdma any peer with a
+tcp endpoint. AHCOMM_TRANSPORT=sdma with a peer on another host is a ConfigError.
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ import asyncio
 import dataclasses
 import logging
 import os
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -167,8 +171,56 @@ async def _rendezvous(rank: int, size: int, port: int, cfg: Config, info: dict[s
     return await client
 
 
+@dataclasses.dataclass(frozen=True)
+class Peer:
+    """What this rank knows about a peer when it picks the peer's transport."""
+
+    rank: int  # this rank
+    entry: dict[str, Any]  # the peer's rendezvous entry (rank, host, endpoints, shm, ...)
+    same_host: bool
+    cfg: Config
+    channel: Channel
+    progress: Progress
+
+    @property
+    def peer(self) -> int:
+        return int(self.entry["rank"])
+
+
+@dataclasses.dataclass(frozen=True)
+class Transport:
+    """One entry of ``TRANSPORTS``: a name, whether it can reach a peer, and how to open the link."""
+
+    name: str
+    can_connect: Callable[[Peer], bool]
+    open: Callable[[Peer], Link]
+
+
+def _sdma_can_connect(p: Peer) -> bool:
+    return (p.same_host and p.cfg.transport != "rdma" and bool(p.entry.get("shm"))
+            and "ipc" in p.entry["endpoints"])
+
+
+def _open_sdma(p: Peer) -> Link:
+    shm_in, shm_out = p.entry["shm"]
+    return SdmaLink(p.rank, p.peer, p.channel, p.entry["endpoints"]["ipc"], shm_in, shm_out,
+                    int(p.entry["buffsize"]), p.progress.reached, int(p.entry.get("pid", 0)),
+                    int(p.entry.get("probe", 0)))
+
+
+def _open_rdma(p: Peer) -> Link:
+    return RdmaLink(p.rank, p.peer, p.channel, p.entry["endpoints"]["tcp"], p.progress.reached)
+
+
+TRANSPORTS: tuple[Transport, ...] = (
+    Transport("sdma", _sdma_can_connect, _open_sdma),
+    Transport("rdma", lambda p: "tcp" in p.entry["endpoints"], _open_rdma),
+)
+
+
 def _connect(rank: int, table: list[dict[str, Any]], channel: Channel, cfg: Config, host: str,
              progress: Progress) -> dict[int, Link]:
+    """One link per peer, each by the first entry of ``TRANSPORTS`` that can connect it."""
     links: dict[int, Link] = {}
     for entry in table:
         peer = int(entry["rank"])
@@ -177,13 +229,12 @@ def _connect(rank: int, table: list[dict[str, Any]], channel: Channel, cfg: Conf
         same_host = entry["host"] == host
         if cfg.transport == "sdma" and not same_host:
             raise ConfigError(f"AHCOMM_TRANSPORT=sdma but rank {peer} is on another host ({entry['host']})")
-        if same_host and cfg.transport != "rdma" and entry.get("shm") and "ipc" in entry["endpoints"]:
-            shm_in, shm_out = entry["shm"]
-            links[peer] = SdmaLink(rank, peer, channel, entry["endpoints"]["ipc"], shm_in, shm_out,
-                                   int(entry["buffsize"]), progress.reached, int(entry.get("pid", 0)),
-                                   int(entry.get("probe", 0)))
-        else:
-            links[peer] = RdmaLink(rank, peer, channel, entry["endpoints"]["tcp"], progress.reached)
+        reach = Peer(rank, entry, same_host, cfg, channel, progress)
+        transport = next((t for t in TRANSPORTS if t.can_connect(reach)), None)
+        if transport is None:
+            raise ConnectError(f"rank {rank}: no transport can reach rank {peer} (endpoints: "
+                               f"{', '.join(entry['endpoints']) or 'none'}; tried {', '.join(t.name for t in TRANSPORTS)})")
+        links[peer] = transport.open(reach)
     return links
 
 
