@@ -40,8 +40,10 @@ from .algorithms.cost import load as load_cost_model
 from .transports._auth import Credentials
 from .transports._zmq import Channel
 from .transports.base import Link
+from .transports.inproc import InprocWorld
 
-__all__ = ["REDOPS", "TRANSPORTS", "check_algorithm", "local_world", "reduce_reference"]
+__all__ = ["REDOPS", "TRANSPORTS", "LocalLinks", "acheck_algorithm", "check_algorithm", "local_links", "local_world",
+           "reduce_reference"]
 
 TRANSPORTS = ("inproc", "sdma", "rdma")
 REDOPS = ("sum", "max")  # reductions checked by default: exact on small integers in every dtype
@@ -66,6 +68,67 @@ def reduce_reference(xs: Sequence[np.ndarray], op: str) -> np.ndarray:
 
 
 # -- jobs in one process ---------------------------------------------------------------------------
+@dataclasses.dataclass
+class LocalLinks:
+    """The links of ``size`` ranks in this event loop: ``links[r][p]`` joins rank r to rank p."""
+
+    links: list[dict[int, Link]]
+    buffers: list[CclBuffers]
+    progress: list[Progress]
+    channels: list[Channel]
+    single_copy: bool  # every link can read its peer's memory
+
+    def close(self) -> None:
+        """Close every link, channel and buffer (what the communicators' close does)."""
+        for links in self.links:
+            for link in links.values():
+                link.close()
+        for channel in self.channels:
+            channel.close()
+        for b in self.buffers:
+            b.close()
+
+
+async def local_links(size: int, *, transport: str = "inproc", buffsize: int = 1 << 16,
+                      timeout: float = 30.0) -> LocalLinks:
+    """Links between ``size`` ranks in this event loop over ``transport`` (one of ``TRANSPORTS``),
+    made as ``ahcomm.init`` makes them (``_bootstrap``'s transport table and handshake) and up."""
+    if transport not in TRANSPORTS:
+        raise ValueError(f"transport {transport!r}: expected one of {', '.join(TRANSPORTS)}")
+    progress = [Progress(r, size) for r in range(size)]
+    if transport == "inproc":
+        world = InprocWorld(size)
+        for r in range(size):
+            world.register(r, CclBuffers.local(buffsize))
+        inproc: list[dict[int, Link]] = [dict(world.connect(r, progress[r].reached)) for r in range(size)]
+        return LocalLinks(inproc, [world.buffers[r] for r in range(size)], progress, [], True)
+    cfg = dataclasses.replace(Config.from_env({}), transport=transport)
+    creds = Credentials.derive(secrets.token_hex(16))
+    shared = transport == "sdma"
+    buffers = [CclBuffers.shared(buffsize, f"r{r}") if shared else CclBuffers.local(buffsize) for r in range(size)]
+    channels: list[Channel] = []
+    try:
+        for r in range(size):
+            channels.append(Channel(r, buffers[r], ipc=shared, tcp_host="127.0.0.1", creds=creds))
+        table = [{"rank": r, "host": "local", "endpoints": channels[r].endpoints, "pid": os.getpid(),
+                  "shm": [buffers[r].ccl_in.name, buffers[r].ccl_out.name] if shared else None,
+                  "buffsize": buffsize, "probe": int(buffers[r].ccl_in.array.ctypes.data)} for r in range(size)]
+        links = [_bootstrap._connect(r, table, channels[r], cfg, "local", progress[r]) for r in range(size)]
+        for channel in channels:
+            channel.start()
+        await asyncio.gather(*(_bootstrap._handshake(r, links[r], timeout) for r in range(size)))
+    except BaseException:
+        for channel in channels:
+            channel.close()
+        for b in buffers:
+            b.close()
+        raise
+    for b in buffers:
+        b.unlink()
+    single = cfg.single_copy and all(link.single_copy for ls in links for link in ls.values())
+    return LocalLinks(links, buffers, progress, channels, single)
+
+
 async def local_world(size: int, *, transport: str = "inproc", buffsize: int = 1 << 16, algo: str = "",
                       hosts: Sequence[str] | None = None, timeout: float = 30.0) -> list[Comm]:
     """``size`` communicators in this event loop over ``transport`` (one of ``TRANSPORTS``).
@@ -81,41 +144,15 @@ async def local_world(size: int, *, transport: str = "inproc", buffsize: int = 1
             for c in comms:
                 c._set_topology(dataclasses.replace(c.topology, hosts=tuple(hosts)))
         return comms
-    if transport not in TRANSPORTS:
-        raise ValueError(f"transport {transport!r}: expected one of {', '.join(TRANSPORTS)}")
-    cfg = dataclasses.replace(Config.from_env({}), transport=transport)
-    creds = Credentials.derive(secrets.token_hex(16))
-    shared = transport == "sdma"
-    buffers = [CclBuffers.shared(buffsize, f"r{r}") if shared else CclBuffers.local(buffsize) for r in range(size)]
-    channels: list[Channel] = []
-    try:
-        for r in range(size):
-            channels.append(Channel(r, buffers[r], ipc=shared, tcp_host="127.0.0.1", creds=creds))
-        table = [{"rank": r, "host": "local", "endpoints": channels[r].endpoints, "pid": os.getpid(),
-                  "shm": [buffers[r].ccl_in.name, buffers[r].ccl_out.name] if shared else None,
-                  "buffsize": buffsize, "probe": int(buffers[r].ccl_in.array.ctypes.data)} for r in range(size)]
-        progress = [Progress(r, size) for r in range(size)]
-        links = [_bootstrap._connect(r, table, channels[r], cfg, "local", progress[r]) for r in range(size)]
-        for channel in channels:
-            channel.start()
-        await asyncio.gather(*(_bootstrap._handshake(r, links[r], timeout) for r in range(size)))
-    except BaseException:
-        for channel in channels:
-            channel.close()
-        for b in buffers:
-            b.close()
-        raise
-    for b in buffers:
-        b.unlink()
+    made = await local_links(size, transport=transport, buffsize=buffsize, timeout=timeout)
     model = load_cost_model()
-    single = cfg.single_copy and all(link.single_copy for ls in links for link in ls.values())
     names = tuple(hosts) if hosts is not None else ("local",) * size
-    return [_comm(r, size, links[r], buffers[r], channels[r], progress[r], Selector(REGISTRY, algo, model), cfg,
-                  single, names) for r in range(size)]
+    return [_comm(r, size, made.links[r], made.buffers[r], made.channels[r], made.progress[r],
+                  Selector(REGISTRY, algo, model), made.single_copy, names) for r in range(size)]
 
 
 def _comm(rank: int, size: int, links: dict[int, Link], buffers: CclBuffers, channel: Channel, progress: Progress,
-          selector: Selector, cfg: Config, single_copy: bool, hosts: tuple[str, ...]) -> Comm:
+          selector: Selector, single_copy: bool, hosts: tuple[str, ...]) -> Comm:
     kinds = tuple("self" if p == rank else links[p].kind for p in range(size))
     topo = Topology(rank=rank, size=size, hosts=hosts, link_kinds=kinds,
                     all_mapped=all(link.mapped for link in links.values()), single_copy=single_copy)
@@ -125,7 +162,7 @@ def _comm(rank: int, size: int, links: dict[int, Link], buffers: CclBuffers, cha
         buffers.close()
 
     return Comm(rank=rank, size=size, links=links, buffers=buffers, topo=topo, progress=progress,
-                selector=selector, exec_timeout=cfg.exec_timeout, on_close=on_close)
+                selector=selector, exec_timeout=Config.from_env({}).exec_timeout, on_close=on_close)
 
 
 # -- the check -------------------------------------------------------------------------------------

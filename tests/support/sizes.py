@@ -5,6 +5,6 @@ from __future__ import annotations
 # Counts every algorithm check covers: empty, one element, odd, and one over a 64 KiB CCL
 # buffer (the executor slices it, or Channels pipeline it) at 4-byte elements.
 KIT_COUNTS = (0, 1, 7, 1000, 20_000)
-# Link conformance: transfers of 0 and 1 bytes, odd, and one larger than the CCL buffer.
-LINK_BUFFER_BYTES = 1 << 16
-LINK_SIZES = (0, 1, 63, 4096, 3 * LINK_BUFFER_BYTES)
+# Link conformance: puts of 0 and 1 bytes, odd, one larger than the default 64 KiB test CCL
+# buffer, and one over three rdma frames (4 MiB each).
+LINK_SIZES = (0, 1, 63, 3 << 16, (12 << 20) + 5)
