@@ -23,7 +23,7 @@ from ahcomm.algorithms import REGISTRY, Call, Topology
 from ahcomm.algorithms import hierarchical
 from ahcomm.algorithms.cost import CostModel
 from ahcomm.algorithms._hier import Layout, tree
-from conftest import assert_close, reduce_ref
+from support.numerics import assert_close, reduce_ref
 
 LAYOUTS = {"2x2": [2, 2], "3+1": [3, 1], "1+3": [1, 3], "4x2": [2, 2, 2, 2], "1+1+1": [1, 1, 1],
            "5+2": [5, 2], "3x3": [3, 3, 3], "4+4+1": [4, 4, 1]}

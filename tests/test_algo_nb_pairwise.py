@@ -15,7 +15,7 @@ import pytest
 import ahcomm
 from ahcomm.algorithms import names
 from ahcomm.algorithms.nb import distances
-from conftest import run_inproc
+from support.inproc import run_inproc
 
 SIZES = [1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 16]
 DTYPES = [np.float32, np.float64, np.int32, np.int8, np.float16, np.bool_, np.uint64]

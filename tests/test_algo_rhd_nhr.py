@@ -17,7 +17,8 @@ import ahcomm
 from ahcomm.algorithms import names
 from ahcomm.algorithms.nhr import Layout, all_gather_step, reduce_scatter_step, steps, tree_order
 from ahcomm.algorithms.rhd import Fold
-from conftest import assert_close, reduce_ref, run_inproc
+from support.inproc import run_inproc
+from support.numerics import assert_close, reduce_ref
 
 ALGOS = ["rhd", "nhr"]
 SIZES = [1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 16]

@@ -16,7 +16,8 @@ import pytest
 
 import ahcomm
 from ahcomm.algorithms import REGISTRY, Call, Topology
-from conftest import assert_close, reduce_ref
+from support.inproc import busy_flags
+from support.numerics import assert_close, reduce_ref
 
 SIZES = [1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 16]
 RING_OPS = ["all_gather_v", "reduce_scatter_v", "reduce"]
@@ -131,9 +132,7 @@ async def run_job(size: int, body: Callable[[ahcomm.Comm], Awaitable[Any]], *, b
     try:
         results = list(await asyncio.wait_for(asyncio.gather(*(body(c) for c in comms)), timeout=60))
         for comm in comms:  # protocol: every notify posted was waited, none posted twice
-            for link in comm._executor.links.values():
-                busy = [k for k, flag in link._notifies.items() if flag.value or flag.overruns]
-                assert not busy, (comm.rank, link.peer, busy)
+            assert not busy_flags(comm), (comm.rank, busy_flags(comm))
         return results
     finally:
         await asyncio.gather(*(c.close() for c in comms))

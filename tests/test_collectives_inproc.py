@@ -14,7 +14,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import ahcomm
-from conftest import assert_close, reduce_ref, run_inproc
+from support.inproc import run_inproc
+from support.numerics import assert_close, reduce_ref
 
 SIZES = [1, 2, 3, 4, 5, 6, 7, 8, 9]
 ALGOS = ["ring", "mesh"]

@@ -8,7 +8,7 @@ import time
 import numpy as np
 
 import ahcomm
-from conftest import run_inproc
+from support.inproc import run_inproc
 
 
 async def test_many_collectives_in_flight_pair_by_issue_order() -> None:

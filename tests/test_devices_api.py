@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import ahcomm
-from conftest import run_inproc
+from support.inproc import run_inproc
 
 torch = pytest.importorskip("torch", reason="torch is not installed (the `torch` extra)")
 

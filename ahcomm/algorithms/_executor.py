@@ -208,11 +208,6 @@ class Executor:
             self.tracer.write()
         self._halves = []  # drop our views of the CCL buffers so they can be unmapped
 
-    def on_peer_abort(self, handler: Callable[[int, str], None]) -> None:
-        """Call ``handler(peer, reason)`` when a peer aborts."""
-        for link in self.links.values():
-            link.on_abort = handler
-
     def set_hooks(self, *, on_abort: AbortHook, on_fingerprint: FingerprintHook, on_control: ControlHook,
                   on_lost: AbortHook) -> None:
         """The communicator's handlers on every link: a peer aborted, the fingerprint of a peer's
