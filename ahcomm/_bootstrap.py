@@ -232,8 +232,9 @@ def _connect(rank: int, table: list[dict[str, Any]], channel: Channel, cfg: Conf
         reach = Peer(rank, entry, same_host, cfg, channel, progress)
         transport = next((t for t in TRANSPORTS if t.can_connect(reach)), None)
         if transport is None:
+            tried = ", ".join(t.name for t in TRANSPORTS)
             raise ConnectError(f"rank {rank}: no transport can reach rank {peer} (endpoints: "
-                               f"{', '.join(entry['endpoints']) or 'none'}; tried {', '.join(t.name for t in TRANSPORTS)})")
+                               f"{', '.join(entry['endpoints']) or 'none'}; tried {tried})")
         links[peer] = transport.open(reach)
     return links
 

@@ -32,7 +32,6 @@ from . import _bootstrap
 from ._buffers import CclBuffers
 from ._comm import Comm
 from ._config import Config
-from ._dtypes import ReduceOp
 from .algorithms import REGISTRY, Algorithm, Call, Topology
 from .algorithms._executor import Progress
 from .algorithms._selection import Selector

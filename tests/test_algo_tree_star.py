@@ -11,7 +11,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import itertools
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import pytest
@@ -20,6 +21,7 @@ import ahcomm
 from ahcomm import InvalidArgument
 from ahcomm.algorithms import names, tree
 from ahcomm.algorithms.tree import children
+
 from support.inproc import run_inproc
 from support.numerics import assert_close, reduce_ref
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import ahcomm
-from ahcomm.algorithms import REGISTRY, Context, Ring, Signal, channel_run, Channels
+from ahcomm.algorithms import REGISTRY, Channels, Context, Ring, Signal, channel_run
 from ahcomm.testing import check_algorithm
 
 from support.sizes import KIT_COUNTS

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 import ahcomm
+
 from support.inproc import run_inproc
 
 

@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 
 import ahcomm
+
 from support.inproc import run_inproc
 from support.numerics import REDUCE_UFUNCS, assert_close, reduce_ref
 

@@ -12,6 +12,7 @@ import pytest
 
 import ahcomm
 from ahcomm.transports import inproc
+
 from support.inproc import links_of
 
 

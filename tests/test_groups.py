@@ -11,11 +11,12 @@ from typing import Any
 
 import numpy as np
 import pytest
-
-import ahcomm
-from jobs import run_job
 from mp_catalogue import OPS, check
 from test_multiprocess import launch, shm_names
+
+import ahcomm
+
+from jobs import run_job
 from support.inproc import links_of
 
 HERE = Path(__file__).parent

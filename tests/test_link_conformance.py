@@ -21,6 +21,7 @@ import pytest
 from ahcomm import _bootstrap
 from ahcomm.testing import TRANSPORTS, LocalLinks, local_links
 from ahcomm.transports.base import Link, Signal
+
 from support.sizes import LINK_SIZES
 
 pytestmark = pytest.mark.parametrize("transport", TRANSPORTS)
@@ -153,7 +154,7 @@ async def test_read_copies_the_peers_memory_where_single_copy(pair: LocalLinks) 
 
 
 async def test_fail_wakes_waiters_and_later_waits_raise(pair: LocalLinks) -> None:
-    a, b = ends(pair)
+    _a, b = ends(pair)
     waiter = asyncio.ensure_future(b.wait(Signal.DATA, 0, 3))
     await asyncio.sleep(0.01)
     error = RuntimeError("link failed for the test")

@@ -9,6 +9,7 @@ import pytest
 
 import ahcomm
 from ahcomm import P2POp
+
 from support.inproc import run_inproc
 
 

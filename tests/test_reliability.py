@@ -13,8 +13,9 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any, Awaitable, Callable
+from typing import Any
 
 import numpy as np
 import pytest
@@ -23,6 +24,7 @@ import ahcomm
 from ahcomm import _buffers, _health
 from ahcomm._collectives import Gathered
 from ahcomm.transports.base import Link
+
 from jobs import job_argv, job_env, run_job
 from support.inproc import links_of
 
@@ -305,8 +307,8 @@ async def test_every_collective_takes_a_timeout_and_checks_it() -> None:
         await c.scatter_v(x, [1, 3], timeout=t)
         await c.all_gather_object("x", timeout=t)
         await c.broadcast_object("x", timeout=t)
-        await c.batch_send_recv([ahcomm.P2POp("send", x, 1 - c.rank), ahcomm.P2POp("recv", np.empty_like(x), 1 - c.rank)],
-                                timeout=t)
+        ops = [ahcomm.P2POp("send", x, 1 - c.rank), ahcomm.P2POp("recv", np.empty_like(x), 1 - c.rank)]
+        await c.batch_send_recv(ops, timeout=t)
         await c.barrier(timeout=t)
 
     await asyncio.wait_for(asyncio.gather(*(body(c) for c in comms)), 20)

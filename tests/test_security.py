@@ -15,8 +15,9 @@ import os
 import random
 import re
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import msgpack
 import numpy as np
@@ -35,6 +36,7 @@ from ahcomm.transports._wire import HEADER, RANK_ID
 from ahcomm.transports._zmq import Channel
 from ahcomm.transports.base import Signal
 from ahcomm.transports.rdma import RdmaLink
+
 from jobs import run_job
 from support.inproc import links_of
 

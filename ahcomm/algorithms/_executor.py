@@ -11,7 +11,8 @@ the others (broadcast, empty calls) the executor tells each peer where it stands
 from __future__ import annotations
 
 import asyncio
-from typing import Any, Awaitable, Callable
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 import numpy as np
 

@@ -44,16 +44,16 @@ min(H / regions / SLOTS, 1 MiB), pipelined: about one more notify per piece.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from functools import partial
-from typing import Callable, Sequence
 
 import numpy as np
 
 from .._errors import ConfigError
 from .._stream import Stream
 from ..transports.base import Signal
-from .cost import HALF_BYTES, Work, engine_tasks, npieces
 from .base import ALIGN, Call, Context, Topology, aligned, split
+from .cost import HALF_BYTES, Work, engine_tasks, npieces
 
 SLOTS = 4  # credits per region: pieces of one block in flight
 PIECE_BYTES = 1 << 20  # largest piece of a block that does not fit its region

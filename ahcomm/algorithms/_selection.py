@@ -13,8 +13,8 @@ import math
 
 from .._errors import ConfigError, InvalidArgument
 from . import hierarchical
-from .cost import CostModel
 from .base import Algorithm, Call, Registry, Topology
+from .cost import CostModel
 
 _OP_ALIASES = {op.replace("_", ""): op for op in (
     "all_reduce", "all_gather", "reduce_scatter", "broadcast", "barrier", "reduce", "gather", "scatter",

@@ -36,16 +36,16 @@ all_gather / reduce_scatter a0 + a1 + max(b0 B0, (S-1) block B1); broadcast 2 a0
 from __future__ import annotations
 
 import math
-from typing import Callable, ClassVar
+from collections.abc import Callable
+from typing import ClassVar
 
 import numpy as np
 
 from .._errors import ConfigError
-from .channels import PIECE_BYTES, Channels, Lane
-from .cost import CostModel, Work, call_bytes, log2up, npieces
-from ._hier import (Layout, Price, Streams, group_all_reduce, layout, rhd_all_reduce, ring_all_reduce,
-                    tree)
+from ._hier import Layout, Price, Streams, group_all_reduce, layout, rhd_all_reduce, ring_all_reduce, tree
 from .base import Algorithm, Call, Context, Resources, Topology, split
+from .channels import PIECE_BYTES, Channels, Lane
+from .cost import CostModel, Work, log2up, npieces
 
 RHD_BYTES = 256 << 10  # level-1 chunks up to this size: RHD (all_reduce), binomial tree (broadcast)
 SEGMENT_BYTES = 2 << 20  # all_reduce pipelines from two segments of this size

@@ -23,15 +23,17 @@ each peer's share through a small scratch piece that stays in cache while it is 
 
 from __future__ import annotations
 
-import numpy as np
+from collections.abc import Callable
+from typing import ClassVar
 
-from typing import Callable, ClassVar
+import numpy as np
 
 from .._stream import Stream
 from ..transports.base import Signal
-from .cost import HALF_BYTES, CostModel, Work, engine_tasks, npieces
-from ._mesh_whole import OPS as WHOLE_OPS, orchestrate_whole, whole_work
+from ._mesh_whole import OPS as WHOLE_OPS
+from ._mesh_whole import orchestrate_whole, whole_work
 from .base import Algorithm, Call, Context, Resources, Topology, aligned, split
+from .cost import HALF_BYTES, CostModel, Work, engine_tasks, npieces
 
 DIRECT_BYTES = 32 * 1024  # all_reduce below this: every rank reduces the whole vector itself
 # Per-rank bytes from which single-copy reads pay off (measured on the 2-core host; below,

@@ -23,9 +23,9 @@ executor flushes them at the end of the run).
 
 from __future__ import annotations
 
-from .channels import PIECE_BYTES, Channels, channel_run
-from .cost import CostModel, Work, call_bytes, engine_tasks, npieces
 from .base import Algorithm, Call, Context, Resources, Topology
+from .channels import PIECE_BYTES, Channels, channel_run
+from .cost import CostModel, Work, engine_tasks, npieces
 
 
 def distances(n: int) -> list[int]:

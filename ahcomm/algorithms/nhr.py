@@ -29,13 +29,13 @@ Each slice is reduced along one tree and then copied, so every rank gets the sam
 
 from __future__ import annotations
 
-from typing import Iterator
+from collections.abc import Iterator
 
 import numpy as np
 
-from .channels import PIECE_BYTES
-from .cost import CostModel, Work, call_bytes, engine_tasks, npieces
 from .base import Algorithm, Call, Context, Resources, Topology, split
+from .channels import PIECE_BYTES
+from .cost import CostModel, Work, engine_tasks, npieces
 from .rhd import Mover
 
 Plan = tuple[int, int, list[int], list[int]]  # (send to, receive from, slices sent, slices received)
@@ -94,7 +94,7 @@ class Layout:
         """Element ranges of ``slices``, neighbours in memory merged, in memory order."""
         positions = sorted(self.pos[b] for b in slices)
         start = prev = positions[0]
-        for i in positions[1:] + [-1]:
+        for i in [*positions[1:], -1]:
             if i != prev + 1:
                 yield self.offsets[start], self.offsets[prev + 1]
                 start = i

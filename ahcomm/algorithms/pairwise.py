@@ -20,9 +20,9 @@ larger of the bytes this rank sends and receives).
 
 from __future__ import annotations
 
+from .base import Algorithm, Call, Context, Resources, Topology
 from .channels import PIECE_BYTES, Channels
 from .cost import CostModel, Work, engine_tasks, npieces
-from .base import Algorithm, Call, Context, Resources, Topology
 
 
 class Pairwise(Algorithm):

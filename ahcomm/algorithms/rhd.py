@@ -29,12 +29,11 @@ block received in one step forwarded in the next piece by piece as it lands (``M
 
 from __future__ import annotations
 
-from typing import Iterator
+from collections.abc import Iterator
 
-
-from .channels import PIECE_BYTES, Channels, Lane
-from .cost import CostModel, Work, call_bytes, engine_tasks, npieces
 from .base import Algorithm, Call, Context, Resources, Topology, split
+from .channels import PIECE_BYTES, Channels, Lane
+from .cost import CostModel, Work, engine_tasks, npieces
 
 Span = tuple[int, int]  # [lo, hi) in virtual ranks or in elements
 

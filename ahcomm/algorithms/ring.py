@@ -28,14 +28,14 @@ P b), P = ceil(m / piece) pieces of min(CCL half / SLOTS, PIECE_BYTES).
 
 from __future__ import annotations
 
-from typing import Hashable
+from collections.abc import Hashable
 
 import numpy as np
 
 from .._errors import ConfigError
 from ..transports.base import Signal
-from .cost import CostModel, Work, engine_tasks, npieces
 from .base import ALIGN, Algorithm, Call, Context, Resources, Topology, align_up, aligned, pieces, split
+from .cost import CostModel, Work, engine_tasks, npieces
 
 PIECE_BYTES = 2 << 20
 SLOTS = 4  # receive slots per rank: up to this many pieces in flight on each ring link

@@ -23,15 +23,16 @@ reader works round by round, so an owner's next round never waits on a later one
 
 from __future__ import annotations
 
-from typing import Callable, ClassVar
+from collections.abc import Callable
+from typing import ClassVar
 
 import numpy as np
 
 from .._errors import ConfigError
 from .._stream import Stream
 from ..transports.base import Signal
-from .cost import HALF_BYTES, CostModel, Work, call_bytes, engine_tasks, npieces
 from .base import Algorithm, Call, Context, Resources, Topology, aligned
+from .cost import HALF_BYTES, CostModel, Work, engine_tasks, npieces
 
 CENTER = 0  # the rank that reduces an all_reduce
 FAN = 3  # sub-streams that read (or write) peers' buffers in parallel

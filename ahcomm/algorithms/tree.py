@@ -26,15 +26,16 @@ forwards while it receives. ``ceil(log2 n)`` steps deep:
 
 from __future__ import annotations
 
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Callable, ClassVar, Hashable
+from typing import ClassVar
 
 import numpy as np
 
-from .channels import PIECE_BYTES, Channels
-from .cost import CostModel, Work, call_bytes, engine_tasks, log2up, npieces
 from .base import Algorithm, Call, Context, Resources, Topology, split
+from .channels import PIECE_BYTES, Channels
+from .cost import CostModel, Work, engine_tasks, log2up, npieces
 
 LARGE_BYTES = 512 << 10  # broadcasts from this size, on more than two ranks, scatter then all_gather
 
