@@ -170,10 +170,13 @@ class Algorithm:
     ops: ClassVar[frozenset[str]] = frozenset()
     runs: ClassVar[Mapping[str, OpRun]] = {}
 
+    _estimates: ClassVar[bool] = False  # the class gives ``work`` (set for each subclass)
+
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         if "runs" in cls.__dict__ and "ops" not in cls.__dict__:
             cls.ops = frozenset(cls.runs)
+        cls._estimates = cls.work is not Algorithm.work
 
     def select(self, call: Call, topo: Topology) -> bool:
         """Whether this algorithm can run ``call`` on ``topo``."""
@@ -187,7 +190,7 @@ class Algorithm:
         estimate lives here: one rank costs nothing, otherwise ``work`` gets the call's sizes
         and its ``Work`` is priced with ``model``. Algorithms override ``work``, not this.
         """
-        if type(self).work is Algorithm.work:
+        if not self._estimates:
             return None
         n = topo.size
         if n == 1:

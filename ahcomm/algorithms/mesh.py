@@ -176,11 +176,6 @@ class Mesh(Algorithm):
         orchestrate_whole(ctx)
         await ctx.synchronize()
 
-    def _all_reduce_staged(self, ctx: Context) -> None:
-        if ctx.dst.nbytes <= DIRECT_BYTES:
-            self._all_reduce_direct(ctx)
-        else:
-            self._all_reduce(ctx)
 
     def _end_slice(self, ctx: Context) -> None:
         if not ctx.final:
@@ -196,6 +191,8 @@ class Mesh(Algorithm):
         self._end_slice(ctx)
 
     def _all_reduce(self, ctx: Context) -> None:
+        if ctx.dst.nbytes <= DIRECT_BYTES:
+            return self._all_reduce_direct(ctx)
         n, r, src, dst = ctx.size, ctx.rank, ctx.src, ctx.dst
         item = ctx.call.itemsize
         chunks = split(dst.size, n)
@@ -307,7 +304,7 @@ class Mesh(Algorithm):
         _exchange(ctx, Signal.ACK, SC_DONE)
 
     _staged: ClassVar[dict[str, Callable[[Mesh, Context], None]]] = {
-        "all_reduce": _all_reduce_staged, "all_gather": _all_gather, "reduce_scatter": _reduce_scatter,
+        "all_reduce": _all_reduce, "all_gather": _all_gather, "reduce_scatter": _reduce_scatter,
         "broadcast": _broadcast}
     _single: ClassVar[dict[str, Callable[[Mesh, Context], None]]] = {
         "all_gather": _sc_all_gather, "broadcast": _sc_broadcast, "all_reduce": _sc_all_reduce}
