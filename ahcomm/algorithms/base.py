@@ -1,12 +1,15 @@
-"""The algorithm-development framework: a call, the topology, resources and a context.
+"""The algorithm-development framework: the ``Algorithm`` base, a run's ``Context``, the registry.
 
 An algorithm is written in HCCL's three steps:
 
-1. ``select(call, topo)`` - can it run this call here? (and, later, at what cost);
-2. ``resources(call, topo)`` - how many sub-streams it needs and how many elements of the
-   call fit one run (the executor slices larger calls, as HCCL loops over CCL buffers);
-3. ``orchestrate(ctx)`` - submit tasks (copy, reduce, put, post, wait) to the main stream
-   and sub-streams in ``ctx``, then ``await ctx.synchronize()``.
+1. ``select(call, topo)`` - can it run this call here? and ``work(...)`` - at what cost
+   (the base ``cost()`` prices it with the ``cost.CostModel``);
+2. ``resources(call, topo, half_bytes)`` - how many sub-streams it needs and how many
+   elements of the call fit one run (the executor slices larger calls, as HCCL loops over
+   CCL buffers);
+3. ``runs[op](self, ctx)`` (what the base ``orchestrate`` calls) - submit tasks (copy,
+   reduce, put, post, wait) to the main stream and sub-streams in ``ctx``, then
+   ``await ctx.synchronize()``.
 
 Protocol rules every algorithm keeps (the executor relies on them):
 

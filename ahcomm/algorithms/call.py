@@ -44,7 +44,7 @@ class Call:
     root: int = 0
     counts: tuple[int, ...] | None = None
     recv_counts: tuple[int, ...] | None = None
-    group: str = ""  # the communicator's identity (sub-communicators come with the multi-host work)
+    group: str = ""  # unused (always ""): a sub-communicator has links of its own domain, so calls never mix
     _fp: int = 0
 
     @property
