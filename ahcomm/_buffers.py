@@ -5,23 +5,128 @@ same host map it by name. ``LocalRegion`` is plain memory (in-process transport,
 rank whose peers are all remote). Both expose ``.array``, a uint8 numpy view.
 
 Names are ``ahcomm-<creator pid>-<tag>-<random>``. A name is unlinked as soon as every
-peer has mapped it, so only a job that dies during set-up leaves names behind;
-``reclaim_stale()`` (run before this process creates its own) unlinks those whose creator
-is no longer alive.
+peer has mapped it. Until then a SIGTERM (whose default would end the process with the
+names still there) unlinks them first (``_pending``); only a job killed outright (SIGKILL)
+during set-up leaves names behind, and ``reclaim_stale()`` (run before this process creates
+its own) unlinks those whose creator is no longer alive.
+
+Room: /dev/shm is a tmpfs that is often small (64 MiB in Docker and Kubernetes). A segment
+is reserved with ``posix_fallocate`` before it is mapped, so a shortfall is an error here,
+not a SIGBUS when a page is first touched. ``fit()`` decides beforehand, from the size of
+/dev/shm and the number of ranks on this host (the same on every rank of the host, so they
+all decide alike), whether the default buffer size is shrunk (with a warning) or the job
+fails with a ConfigError that names the fixes.
 """
 
 from __future__ import annotations
 
+import errno
+import logging
 import mmap
 import os
 import re
 import secrets
+import signal
+import threading
+import weakref
+from types import FrameType
 
 import numpy as np
+
+from ._errors import ConfigError, ConnectError
 
 SHM_DIR = "/dev/shm"
 SHM_PREFIX = "ahcomm-"
 _NAME = re.compile(rf"^{re.escape(SHM_PREFIX)}(\d+)-")
+MiB = 1 << 20
+MIN_SHRUNK = 1 * MiB  # the smallest CCL buffer fit() shrinks to; below that the job fails instead
+log = logging.getLogger("ahcomm")
+
+
+def _mib(nbytes: int) -> str:
+    return f"{nbytes / MiB:.4g} MiB"
+
+
+def room(directory: str = SHM_DIR) -> tuple[int, int] | None:
+    """(size, free bytes) of the file system holding ``directory``; None if it cannot be read."""
+    try:
+        st = os.statvfs(directory)
+    except OSError:
+        return None
+    return st.f_blocks * st.f_frsize, st.f_bavail * st.f_frsize
+
+
+def _shortfall(what: str, need: int, local_ranks: int, nbytes: int, directory: str) -> str:
+    have = room(directory)
+    size = f"{_mib(have[0])} ({_mib(have[1])} free)" if have else "of unknown size"
+    per = max(1, (have[0] // 2) // (2 * local_ranks * MiB)) if have else 8
+    return (f"not enough shared memory for the CCL buffers: {directory} is {size}; {what} "
+            f"{local_ranks} rank(s) on this host x 2 buffers x {_mib(nbytes)} = {_mib(need)}. Fixes: give "
+            f"the container a bigger /dev/shm (docker run --shm-size=1g; Kubernetes: an emptyDir with "
+            f"medium: Memory mounted on /dev/shm), or smaller buffers (AHCOMM_BUFFSIZE={per}, in MB per "
+            f"buffer), or AHCOMM_TRANSPORT=rdma (no shared memory)")
+
+
+def fit(nbytes: int, local_ranks: int, *, shrink: bool, directory: str = SHM_DIR) -> int:
+    """The CCL buffer size to create: ``nbytes`` when ``local_ranks`` ranks' buffers (2 each) fit
+    in ``directory``'s file system; else, when ``shrink``, the largest power of two (at least
+    ``MIN_SHRUNK``) whose buffers fill at most half of it, with a warning; else ConfigError.
+    Decided from the file system's size, not its free room, so every rank of a host agrees."""
+    have = room(directory)
+    local_ranks = max(1, local_ranks)
+    need = 2 * nbytes * local_ranks
+    if have is None or need <= have[0]:
+        return nbytes
+    if shrink:
+        fitted = MIN_SHRUNK
+        while 2 * (2 * fitted) * local_ranks <= have[0] // 2 and 2 * fitted < nbytes:
+            fitted *= 2
+        if 2 * fitted * local_ranks <= have[0] // 2:
+            log.warning("%s is %s, too small for %d rank(s) x 2 CCL buffers x %s: using %s buffers (large "
+                        "collectives run in more pieces); docker run --shm-size=1g or AHCOMM_BUFFSIZE=%d "
+                        "silences this", directory, _mib(have[0]), local_ranks, _mib(nbytes), _mib(fitted),
+                        fitted // MiB)
+            return fitted
+    raise ConfigError(_shortfall("it needs", need, local_ranks, nbytes, directory))
+
+
+# -- SIGTERM while names exist: unlink them, then die of SIGTERM as before ---------------------
+_pending: "weakref.WeakSet[SharedRegion]" = weakref.WeakSet()
+_installed = False
+
+
+def _on_sigterm(signum: int, frame: FrameType | None) -> None:
+    for region in list(_pending):
+        region.unlink()
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _guard(region: "SharedRegion") -> None:
+    """Unlink ``region``'s name on SIGTERM until ``unlink()``; only where SIGTERM would simply end
+    the process (its default), from the main thread (an application's own handler stays)."""
+    global _installed
+    _pending.add(region)
+    if _installed or threading.current_thread() is not threading.main_thread():
+        return
+    try:
+        if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+            signal.signal(signal.SIGTERM, _on_sigterm)
+            _installed = True
+    except (ValueError, OSError):
+        pass
+
+
+def _unguard(region: "SharedRegion") -> None:
+    global _installed
+    _pending.discard(region)
+    if _installed and not _pending and threading.current_thread() is threading.main_thread():
+        try:
+            if signal.getsignal(signal.SIGTERM) is _on_sigterm:
+                signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            _installed = False
+        except (ValueError, OSError):
+            pass
 
 
 def _alive(pid: int) -> bool:
@@ -86,27 +191,56 @@ class LocalRegion(Region):
 class SharedRegion(Region):
     """A mapping of /dev/shm/<name>; created by its owner, attached by peers."""
 
-    def __init__(self, name: str, nbytes: int, *, create: bool) -> None:
+    def __init__(self, name: str, nbytes: int, *, create: bool, local_ranks: int = 1) -> None:
         self.name = name
         self._path = os.path.join(SHM_DIR, name)
         flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
-        fd = os.open(self._path, flags, 0o600)
+        try:
+            fd = os.open(self._path, flags, 0o600)
+        except FileNotFoundError:
+            if create:
+                raise ConfigError(f"cannot create shared memory: {SHM_DIR} does not exist on this host "
+                                  "(mount a tmpfs there, or AHCOMM_TRANSPORT=rdma)") from None
+            match = _NAME.match(name)
+            raise ConnectError(f"a peer's CCL buffer {self._path} (created by pid "
+                               f"{match.group(1) if match else '?'}) is gone before this rank mapped it: removed "
+                               f"from {SHM_DIR} during init (a clean-up of /dev/shm, or its rank died)") from None
         try:
             if create:
-                os.ftruncate(fd, nbytes)
+                _guard(self)
+                self._reserve(fd, nbytes, local_ranks)
             elif os.fstat(fd).st_size < nbytes:
-                raise ValueError(f"shared region {name} is smaller than {nbytes} bytes")
+                raise ConnectError(f"shared region {self._path} is smaller than {nbytes} bytes")
             populate = getattr(mmap, "MAP_POPULATE", 0)
             self._map = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED | populate)
+        except BaseException:
+            if create:
+                self.unlink()
+            raise
         finally:
             os.close(fd)
         self.array = np.frombuffer(self._map, dtype=np.uint8, count=nbytes)
         if create:
             self.array.fill(0)  # fault every page in now, not during a collective
 
+    def _reserve(self, fd: int, nbytes: int, local_ranks: int) -> None:
+        """Size the segment and reserve its pages: a tmpfs without room says ENOSPC here rather
+        than SIGBUS at the first touch of a page it cannot supply."""
+        try:
+            os.posix_fallocate(fd, 0, nbytes)
+            return
+        except OSError as exc:
+            if exc.errno in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG):
+                raise ConfigError(_shortfall("this rank could not reserve its part of", 2 * nbytes * local_ranks,
+                                             local_ranks, nbytes, SHM_DIR)) from None
+            if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+                raise
+        os.ftruncate(fd, nbytes)  # a file system without fallocate: size it at least
+
     @classmethod
-    def create(cls, nbytes: int, tag: str) -> "SharedRegion":
-        return cls(f"{SHM_PREFIX}{os.getpid()}-{tag}-{secrets.token_hex(4)}", nbytes, create=True)
+    def create(cls, nbytes: int, tag: str, local_ranks: int = 1) -> "SharedRegion":
+        return cls(f"{SHM_PREFIX}{os.getpid()}-{tag}-{secrets.token_hex(4)}", nbytes, create=True,
+                   local_ranks=local_ranks)
 
     @classmethod
     def attach(cls, name: str, nbytes: int) -> "SharedRegion":
@@ -114,6 +248,7 @@ class SharedRegion(Region):
 
     def unlink(self) -> None:
         """Remove the name; mappings stay valid until closed (no leak if the job dies)."""
+        _unguard(self)
         try:
             os.unlink(self._path)
         except FileNotFoundError:
@@ -140,12 +275,14 @@ class CclBuffers:
         return cls(LocalRegion(nbytes), LocalRegion(nbytes))
 
     @classmethod
-    def shared(cls, nbytes: int, tag: str) -> "CclBuffers":
-        """CCL_In and CCL_Out in shared memory (stale segments of dead jobs are reclaimed first)."""
+    def shared(cls, nbytes: int, tag: str, *, local_ranks: int = 1, shrink: bool = False) -> "CclBuffers":
+        """CCL_In and CCL_Out in shared memory (stale segments of dead jobs are reclaimed first),
+        of ``fit(nbytes, local_ranks, shrink=shrink)`` bytes each."""
         reclaim_stale()
-        ccl_in = SharedRegion.create(nbytes, f"{tag}-in")
+        nbytes = fit(nbytes, local_ranks, shrink=shrink)
+        ccl_in = SharedRegion.create(nbytes, f"{tag}-in", local_ranks)
         try:
-            ccl_out = SharedRegion.create(nbytes, f"{tag}-out")
+            ccl_out = SharedRegion.create(nbytes, f"{tag}-out", local_ranks)
         except BaseException:
             ccl_in.unlink()
             ccl_in.close()

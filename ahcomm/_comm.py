@@ -128,7 +128,7 @@ class Comm(Health, BlockedCollectives, ObjectCollectives, PointToPoint):
         self._children: list[Comm] = []  # open sub-communicators made from this one
         self._domains = _groups.Domains()
         self._executor.set_hooks(on_abort=self._peer_aborted, on_fingerprint=self._on_fingerprint,
-                                 on_control=self._on_control, on_lost=self._on_lost)
+                                 on_control=self._on_control, on_lost=self._on_lost, on_broken=self._on_broken)
         self._p2p_init()
         if self._loop is not None:
             _flight.watch(self, self._loop)
@@ -409,9 +409,10 @@ class Comm(Health, BlockedCollectives, ObjectCollectives, PointToPoint):
 
     # -- lifecycle --------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
-        """Per-link counters: kind and bytes moved (what went over sdma vs rdma)."""
+        """Per-link counters (kind, bytes moved: what went over sdma vs rdma) and, once, the counters
+        of this rank's receiving endpoint (refused connections, rejected messages)."""
         return {"rank": self.rank, "size": self.size, "seq": self._seq,
-                "links": self._executor.link_stats()}
+                "links": self._executor.link_stats(), "endpoint": self._executor.endpoint_stats()}
 
     def abort(self, reason: str = "aborted") -> None:
         """Fail every pending and later collective here at once, and tell every peer."""

@@ -81,6 +81,34 @@ def _prune(directory: str, keep: int) -> None:
         pass
 
 
+def _write_whole(path: str, data: bytes) -> bool:
+    """Write ``data`` to a new file ``path``, whole or not at all: into a hidden temporary name
+    first (a new file, never through a planted link, readable by this user alone), renamed
+    into place once written and synced; a full disk leaves no partial or empty record."""
+    directory, name = os.path.split(path)
+    tmp = os.path.join(directory, f".{name}.{os.getpid()}.tmp")
+    try:
+        os.makedirs(directory, exist_ok=True)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o600)
+    except OSError:
+        return False
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        if os.path.lexists(path):
+            raise FileExistsError(path)
+        os.rename(tmp, path)
+        return True
+    except OSError:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        return False
+
+
 class Entry:
     """One collective's record (``call`` is the communicator's own Call: no data arrays)."""
 
@@ -149,13 +177,7 @@ class FlightRecorder:
         directory = chosen or tempfile.gettempdir()
         name = f"{PREFIX}{time.strftime('%Y%m%d-%H%M%S')}-p{os.getpid()}-r{self.rank}-{next(_dumps)}.json"
         path = os.path.join(directory, name)
-        try:
-            os.makedirs(directory, exist_ok=True)
-            # a new file only (never through a planted link), readable by this user alone
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o600)
-            with os.fdopen(fd, "w") as fh:
-                json.dump(doc, fh, indent=1, default=str)
-        except OSError:
+        if not _write_whole(path, json.dumps(doc, indent=1, default=str).encode()):
             return None
         if not chosen:
             _prune(directory, KEEP_IN_TEMP)

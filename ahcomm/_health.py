@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, Coroutine
 
 import msgpack
 
-from ._errors import (AhcommError, CollectiveMismatchError, CollectiveTimeout, PeerFailure)
+from ._errors import (AhcommError, CollectiveMismatchError, CollectiveTimeout, PeerFailure, TransportError)
 from ._flight import Entry, FlightRecorder, describe
 from .algorithms._executor import Executor
 from .algorithms.base import Call
@@ -392,6 +392,18 @@ class Health:
                        f"{self._name(self.rank)} can no longer run collectives on it")
             suffix, path = self._record(message)
             error = PeerFailure(message + suffix, rank=lost)
+        elif kind == "malformed":
+            sender, by = int(msg.get("from", -1)), int(msg.get("by", peer))
+            who = f"this rank ({self._name(sender)})" if sender == self.rank else self._name(sender)
+            message = (f"{self._name(by)} rejected a message from {who}: {text}; {self._name(sender)} no longer "
+                       f"follows the link protocol (do all ranks run the same ahcomm version?), so "
+                       f"{self._name(self.rank)} can no longer run collectives on this communicator")
+            suffix, path = self._record(message)
+            error = TransportError(message + suffix)
+            error.flight_record = path
+            # passed on: it reaches each peer before anything this rank sends later (its goodbye)
+            self._fail(error, record=False, tell=("malformed", text), extra={"from": sender, "by": by})
+            return
         else:  # "abort" (the peer's own abort()) or a failure of its own: as an abort message would say
             self._peer_aborted(peer, text)
             return
@@ -433,6 +445,21 @@ class Health:
         error.flight_record = path
         self._fail(error, record=False, tell=("lost", f"{reason}, {self._during()} on {self._name(self.rank)}"),
                    extra={"lost": peer})
+
+    def _on_broken(self, peer: int, reason: str) -> None:
+        """The transport rejected a message from ``peer`` (``reason``: what was wrong with it). The
+        peer is alive but out of step, and only this rank knows: fail here and tell every peer, so
+        that no rank waits on a link that will never deliver (a ring would wait for its timeout)."""
+        if self._final is not None or self._closed:
+            return
+        text = f"{reason} ({self._during()} on {self._name(self.rank)})"
+        message = (f"{self._name(self.rank)} rejected a message from {self._name(peer)}: {text}; {self._name(peer)} "
+                   "no longer follows the link protocol (do all ranks run the same ahcomm version?), so the "
+                   "communicator is failed on every rank")
+        suffix, path = self._record(message)
+        error = TransportError(message + suffix)
+        error.flight_record = path
+        self._fail(error, record=False, tell=("malformed", text), extra={"from": peer, "by": self.rank})
 
     def _name(self, rank: int) -> str:
         """How messages name a rank of this communicator (a sub-communicator's with its world rank)."""

@@ -34,6 +34,20 @@ OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "gat
 BLOCKED = ("all_gather", "reduce_scatter", "gather", "scatter", "all_to_all")  # size counts n blocks
 REDUCING = ("all_reduce", "reduce_scatter", "reduce")
 ROOTED = ("broadcast", "reduce", "gather", "scatter")
+REDOPS = ("sum", "prod", "max", "min", "avg", "band", "bor", "bxor")  # every ReduceOp
+BITWISE = {"band": np.bitwise_and, "bor": np.bitwise_or, "bxor": np.bitwise_xor}
+PRIVATE = "_calibrate"  # what `calibrate` starts on each of its ranks; not in --help
+
+
+def dtype_arg(text: str) -> np.dtype:
+    """``-d``: a dtype ahcomm moves (argparse says which ones otherwise, before any rank starts)."""
+    from ._dtypes import SUPPORTED_DTYPES
+
+    by_name = {str(d): d for d in SUPPORTED_DTYPES}
+    found = by_name.get(text.strip().lower())
+    if found is None:
+        raise argparse.ArgumentTypeError(f"unsupported dtype {text!r}; choose from {', '.join(by_name)}")
+    return found
 
 
 def parse_size(text: str) -> int:
@@ -97,6 +111,8 @@ def expected(op: str, rank: int, n: int, block: int, dtype: np.dtype, redop: str
     if op == "broadcast":
         return pattern(root, block, dtype)
     offset = rank * block if op == "reduce_scatter" else 0
+    if redop in BITWISE:
+        return BITWISE[redop].reduce([pattern(r, block, dtype, offset) for r in range(n)])  # type: ignore[no-any-return]
     base = pattern(0, block, dtype, offset).astype(np.float64)
     factor = {"sum": n * (n + 1) / 2, "avg": (n + 1) / 2, "max": n, "min": 1,
               "prod": float(math.factorial(n))}[redop]
@@ -393,7 +409,7 @@ def calibrate() -> None:
         for kind in ("sdma", "rdma"):
             out = os.path.join(tmp, f"{kind}.json")
             env = {**os.environ, "AHCOMM_TRANSPORT": kind}
-            status = asyncio.run(launch(2, [sys.executable, "-m", "ahcomm.bench", "_calibrate", "--json", out],
+            status = asyncio.run(launch(2, [sys.executable, "-m", "ahcomm.bench", PRIVATE, "--json", out],
                                         env=env))
             if status != 0:
                 sys.exit(f"ahcomm-bench calibrate: the {kind} run failed with status {status}")
@@ -413,14 +429,16 @@ def calibrate() -> None:
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="ahcomm-bench", description=__doc__.split("\n\n")[0] if __doc__ else None)
-    p.add_argument("op", choices=(*OPS, "calibrate", "_calibrate"),
+    p.add_argument("op", choices=(*OPS, "calibrate"),
                    help="the collective to time, or 'calibrate' (measure the cost model's numbers)")
     p.add_argument("-n", "--np", dest="nproc", type=int, default=2, help="ranks to start (when not launched)")
     p.add_argument("-b", "--minbytes", type=parse_size, default=parse_size("8"))
     p.add_argument("-e", "--maxbytes", type=parse_size, default=parse_size("64M"))
     p.add_argument("-f", "--stepfactor", type=int, default=4)
-    p.add_argument("-d", "--dtype", default="float32")
-    p.add_argument("-o", "--redop", default="sum", choices=("sum", "prod", "max", "min", "avg"))
+    p.add_argument("-d", "--dtype", type=dtype_arg, default=np.dtype(np.float32),
+                   help="element type: a numpy name (float32, int64, ...) or bfloat16, float8_e4m3fn, float8_e5m2")
+    p.add_argument("-o", "--redop", default="sum", choices=REDOPS,
+                   help="reduce op of all_reduce, reduce_scatter and reduce (band/bor/bxor: integer or bool -d)")
     p.add_argument("-r", "--root", type=int, default=0)
     p.add_argument("-w", "--warmup-iters", type=int, default=3)
     p.add_argument("-i", "--iters", type=int, default=20)
@@ -440,13 +458,24 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = parser().parse_args(argv)
+    if argv[:1] == [PRIVATE]:  # one rank of `calibrate`'s 2-rank job
+        private = argparse.ArgumentParser(prog=f"ahcomm-bench {PRIVATE}")
+        private.add_argument("--json", required=True)
+        asyncio.run(calibrate_rank(private.parse_args(argv[1:]).json))
+        return
+    p = parser()
+    args = p.parse_args(argv)
     if args.op == "calibrate":
         calibrate()
         return
-    if args.op == "_calibrate":
-        asyncio.run(calibrate_rank(args.json))
-        return
+    if args.op in REDUCING:
+        from ._dtypes import ReduceOp, check_reduce
+        from ._errors import InvalidDtype
+
+        try:
+            check_reduce(ReduceOp.parse(args.redop), args.dtype)
+        except InvalidDtype as exc:
+            p.error(f"-o {args.redop} -d {args.dtype}: {exc}")
     if args.plot:
         from ._plot import require
 

@@ -14,6 +14,7 @@ import logging
 import os
 import random
 import re
+import socket
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -42,6 +43,7 @@ from support.inproc import links_of
 
 SECRET = "test-secret-" + "0123456789abcdef" * 2
 PAGE = os.sysconf("SC_PAGE_SIZE")
+IDLE_CONNECTIONS = 300  # idle TCP connections opened to one rank's endpoint (each end holds a descriptor)
 
 
 def rss() -> int:
@@ -202,19 +204,87 @@ async def test_peers_without_the_secret_are_refused_in_the_handshake(encrypt: bo
     assert any("from 127.0.0.1" in m and secret_hint in m for m in refusals), refusals  # tcp, via ZAP
     assert any("from localhost:" in m and secret_hint in m for m in refusals), refusals  # ipc (pid:uid:gid), ZAP
     assert any("unknown address" in m for m in refusals), refusals  # no or other mechanism: before ZAP
-    stats = comms[0].stats()["links"][1]
-    assert stats["endpoint_rejected_handshakes"] >= len(attackers) and stats["state"] == "up"
+    stats = comms[0].stats()
+    assert stats["endpoint"]["rejected_handshakes"] >= len(attackers) and stats["links"][1]["state"] == "up"
     for sock in attackers:
         sock.close(0)
     await works(comms)
     await close_all(comms)
 
 
-async def test_a_rank_with_another_secret_fails_fast() -> None:
+async def test_endpoint_counters_are_reported_once_not_per_link() -> None:
+    """Refused handshakes and strangers' messages belong to the rank's endpoint, not to any link:
+    ``stats()`` gives them once (``endpoint``); a link counts only what its own peer sent."""
+    comms = await job(3, transport="rdma")
+    ch = channel_of(comms[0])
+    wrong = Credentials.derive("another-secret-0123456789abcdef")
+    attackers = [dealer(ch.endpoints["tcp"], wrong, RANK_ID.pack(1)) for _ in range(3)]
+    stranger = dealer(ch.endpoints["tcp"], ch.creds, RANK_ID.pack(9))
+    stranger.send(HEADER.pack(_wire.MSG_SIGNAL, 0, 0, 0, 0, 0, 0))
+    await until(lambda: ch.rejected_handshakes >= 3 and ch.rejected >= 1)
+    stats = comms[0].stats()
+    assert stats["endpoint"] == {"rejected_messages": 1, "rejected_handshakes": ch.rejected_handshakes,
+                                 "late_messages": 0}, stats
+    for peer, link in stats["links"].items():
+        assert link["rejected_messages"] == 0, (peer, link)
+        assert not any(key.startswith("endpoint") for key in link), link  # nothing endpoint-wide per link
+    for sock in (*attackers, stranger):
+        sock.close(0)
+    await works(comms)
+    await close_all(comms)
+
+
+def open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+async def test_idle_connections_are_closed_after_the_handshake_interval() -> None:
+    """Connections that never start their handshake are closed by the endpoint after
+    HANDSHAKE_TIMEOUT (libzmq's default: 30 s), so a flood of them cannot pile up towards the
+    descriptor limit; the rank keeps working and its descriptors return to where they were."""
+    comms = await job(2, transport="rdma")
+    ch = channel_of(comms[0])
+    await works(comms)
+    host, port = ch.endpoints["tcp"].removeprefix("tcp://").rsplit(":", 1)
+    before_fds, before_refused = open_fds(), ch.rejected_handshakes
+    idle = [socket.create_connection((host, int(port))) for _ in range(IDLE_CONNECTIONS)]  # loopback only
+    for sock in idle:
+        sock.setblocking(False)
+    await works(comms)  # the rank works while they hang on
+
+    def closed_by_server(sock: socket.socket) -> bool:
+        try:
+            return sock.recv(64) == b""
+        except BlockingIOError:
+            return False
+        except ConnectionError:
+            return True
+
+    open_ones = list(idle)
+    deadline = time.monotonic() + 15  # a hang guard (HANDSHAKE_TIMEOUT is 2 s; libzmq's default, 30 s)
+    while open_ones and time.monotonic() < deadline:
+        await asyncio.sleep(0.1)
+        open_ones = [sock for sock in open_ones if not closed_by_server(sock)]
+    assert not open_ones, f"{len(open_ones)} of {len(idle)} idle connections are still open"
+    await until(lambda: ch.rejected_handshakes - before_refused >= len(idle))  # counted as failed handshakes
+    assert open_fds() == before_fds + len(idle)  # only our ends are left: the endpoint closed its own
+    for sock in idle:
+        sock.close()
+    assert open_fds() == before_fds
+    await works(comms)
+    assert comms[0].stats()["endpoint"]["rejected_handshakes"] == ch.rejected_handshakes
+    await close_all(comms)
+
+
+@pytest.mark.parametrize("encrypt", [False, True], ids=["plain", "curve"])
+async def test_a_rank_with_another_secret_fails_fast(encrypt: bool) -> None:
+    """PLAIN: the endpoint refuses the password (at once). CURVE: it cannot read the client's
+    handshake and closes it, which the client sees as a failed handshake with no detail (as
+    when a busy endpoint's handshake timer runs out): HANDSHAKE_ATTEMPTS of them in a row."""
     from ahcomm._bootstrap import create
 
     port = free_port()
-    base = dataclasses.replace(Config.from_env({}), buffsize=1 << 20)
+    base = dataclasses.replace(Config.from_env({}), buffsize=1 << 20, encrypt=encrypt)
     good = dataclasses.replace(base, job_secret=SECRET, connect_timeout=4)
     bad = dataclasses.replace(base, job_secret="another-secret-0123456789abcdef", connect_timeout=60)
     start = time.monotonic()
@@ -337,11 +407,14 @@ MALFORMED = {
 @pytest.mark.parametrize("case", list(MALFORMED))
 async def test_a_malformed_message_from_a_peer_fails_only_its_link(case: str) -> None:
     ch, link1, link2, as1, as2 = await _channel_with_peer()
+    broken: list[tuple[int, str]] = []  # the communicator's hook: it fails the communicator on every rank
+    link1.on_broken = link2.on_broken = lambda peer, reason: broken.append((peer, reason))
     waiter = asyncio.ensure_future(link1.wait(Signal.DATA, 0, 0))
     as1.send_multipart(MALFORMED[case])
     with pytest.raises(TransportError, match="rejected a message from rank 1") as info:
         await asyncio.wait_for(waiter, 5)
     assert (ch.rejected, link1.rejected) == (1, 1), info.value
+    assert len(broken) == 1 and broken[0][0] == 1 and broken[0][1] in str(info.value), (broken, info.value)
     assert link1.stats()["rejected_messages"] == 1
     as2.send(_h(_wire.MSG_SIGNAL, Signal.DATA, 3, 0, 0, 0))  # the reader goes on; other links are untouched
     await asyncio.wait_for(link2.wait(Signal.DATA, 3, 0), 5)
@@ -488,8 +561,9 @@ async def main():
     for _ in range(3):
         got = await comm.all_reduce(x)
         assert np.all(got == comm.size)
-    link = comm._executor.links[1 - r].stats()
-    print(f"RANK {r} rejected={link['endpoint_rejected_messages']} state={link['state']} "
+    stats = comm.stats()
+    link = stats["links"][1 - r]
+    print(f"RANK {r} rejected={stats['endpoint']['rejected_messages']} state={link['state']} "
           f"rss_growth_mib={(rss() - before) / 2**20:.1f}", flush=True)
     await comm.close()
 

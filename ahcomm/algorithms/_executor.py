@@ -210,14 +210,16 @@ class Executor:
         self._halves = []  # drop our views of the CCL buffers so they can be unmapped
 
     def set_hooks(self, *, on_abort: AbortHook, on_fingerprint: FingerprintHook, on_control: ControlHook,
-                  on_lost: AbortHook) -> None:
+                  on_lost: AbortHook, on_broken: AbortHook | None = None) -> None:
         """The communicator's handlers on every link: a peer aborted, the fingerprint of a peer's
-        call (every delivered signal carries one), a control message, a peer lost."""
+        call (every delivered signal carries one), a control message, a peer lost, a peer that
+        sent a malformed message."""
         for link in self.links.values():
             link.on_abort = on_abort
             link.on_fingerprint = on_fingerprint
             link.on_control = on_control
             link.on_lost = on_lost
+            link.on_broken = on_broken
 
     def send_control(self, peer: int, payload: bytes) -> bool:
         """Send a small control message to ``peer`` (best effort: False if it could not be sent)."""
@@ -237,6 +239,15 @@ class Executor:
 
     def link_stats(self) -> dict[int, dict[str, Any]]:
         return {peer: link.stats() for peer, link in self.links.items()}
+
+    def endpoint_stats(self) -> dict[str, int]:
+        """The counters of this rank's receiving endpoint(s), once (not repeated per link)."""
+        endpoints = {id(e): e for e in (link.receiver() for link in self.links.values()) if e is not None}
+        out: dict[str, int] = {}
+        for endpoint in endpoints.values():
+            for key, value in endpoint.stats().items():
+                out[key] = out.get(key, 0) + value
+        return out
 
     def abort(self, error: BaseException) -> None:
         if self._ctx is not None:

@@ -18,7 +18,13 @@ Security and robustness (see ``_auth`` for the handshake):
   (``AHCOMM_MAX_MESSAGE``). A message that fails a check is counted in ``rejected``.
   From an identity that is not a peer of this communicator it is dropped; from a peer
   it fails that peer's link with ``TransportError`` (the peer is out of step with the
-  protocol, so nothing later from it can be trusted to match).
+  protocol, so nothing later from it can be trusted to match) and calls the link's
+  ``peer_broke_protocol``: the communicator fails on every rank.
+* Pending handshakes are bounded in time: a connection that has not authenticated within
+  ``HANDSHAKE_TIMEOUT`` seconds is closed by libzmq (``ZMQ_HANDSHAKE_IVL``), so idle
+  connections cannot pile up towards the descriptor limit. (libzmq has no cap on the number
+  of connections a socket accepts; its kernel backlog, ``ZMQ_BACKLOG``, only bounds those
+  not accepted yet, and libzmq accepts at once.)
 * Peer loss. A socket monitor on each DEALER, read on the event loop, reports the
   connection to the peer's endpoint closing (a dead process's sockets close at once);
   ZMTP heartbeats (``heartbeat`` seconds, timeout three of them) close the connection of
@@ -53,6 +59,14 @@ DEFAULT_MAX_MESSAGE = 1 << 30  # AHCOMM_MAX_MESSAGE default: bytes of one point-
 LOSS_GRACE = 0.5  # seconds a disconnected peer has for its goodbye to arrive before it counts as lost
 BYE_LINGER_MS = 500  # a closing link's last messages (its goodbye) may still leave for this long
 LOG_EVERY = 10.0  # seconds between two warnings about messages from one identity
+# Seconds a connection to a link endpoint has to complete its ZMTP handshake (authentication
+# included) before the endpoint closes it (ZMQ_HANDSHAKE_IVL; libzmq's default is 30 s). Peers
+# need milliseconds; connections that stay silent (a flood of idle TCP connections) hold a
+# descriptor each only this long, so pending handshakes stay under rate x HANDSHAKE_TIMEOUT.
+HANDSHAKE_TIMEOUT = 2.0
+# A connection attempt that fails its handshake without a refusal (the server's timer above,
+# a CURVE key it cannot read) is retried by libzmq; this many in a row fail the link.
+HANDSHAKE_ATTEMPTS = 5
 
 log = logging.getLogger("ahcomm.transport")
 security_log = logging.getLogger("ahcomm.security")
@@ -90,6 +104,7 @@ class Channel:
         self.router.setsockopt(zmq.LINGER, 0)
         self.router.setsockopt(zmq.RCVHWM, 0)
         self.router.setsockopt(zmq.MAXMSGSIZE, FRAME_LIMIT + WIRE_SLACK)
+        self.router.setsockopt(zmq.HANDSHAKE_IVL, int(HANDSHAKE_TIMEOUT * 1000))
         self.creds.server(self.router, self.domain)
         self._monitor = Monitor(self.router, ROUTER_EVENTS, self._on_router_event)
         self.endpoints: dict[str, str] = {}
@@ -205,6 +220,10 @@ class Channel:
                                  link.peer, self.rank, link.peer, error)
             link.fail(TransportError(f"link {link.peer}->{self.rank}: rejected a message from rank {link.peer} "
                                      f"({error}); rank {link.peer} no longer follows the link protocol"))
+            try:  # the communicator fails on every rank: waiting on other links would hang
+                link.peer_broke_protocol(str(error))
+            except Exception:  # noqa: BLE001 - the hook's failure must not kill the reader
+                log.exception("rank %d: on_broken hook failed for rank %d", self.rank, link.peer)
 
     def close(self) -> None:
         """Say goodbye on every link, then release the sockets (no loss is reported from now on)."""
@@ -245,6 +264,7 @@ class ZmqLink(Link):
         self.endpoint = endpoint
         self.rejected = 0  # messages from this peer rejected as malformed
         self.up = parent is not None  # the handshake with the peer's endpoint succeeded
+        self._failed_handshakes = 0  # handshakes with the peer's endpoint that failed before it did
         self.peer_closed = False  # the peer said goodbye: it closed its communicator
         self.lost_reason: str | None = None  # set when the peer is judged lost
         self.lost_at: float | None = None  # time.time() of that judgement
@@ -281,6 +301,9 @@ class ZmqLink(Link):
                 self._suspect("its connection closed (the process exited or died, or stopped answering "
                               "heartbeats)")
         elif event in HANDSHAKE_FAILED and not self.up and self._error is None:
+            self._failed_handshakes += 1
+            if event == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL and self._failed_handshakes < HANDSHAKE_ATTEMPTS:
+                return  # perhaps the peer's handshake timer ran out (its loop was busy): libzmq reconnects
             self.fail(ConnectError(
                 f"link {self.rank}->{self.peer}: rank {self.peer}'s endpoint {self.endpoint} refused the "
                 f"connection: {HANDSHAKE_FAILED[event]}; every rank needs the same AHCOMM_JOB_SECRET "
@@ -515,7 +538,8 @@ class ZmqLink(Link):
         out = super().stats()
         state = ("lost" if self.lost_reason is not None else "closed by peer" if self.peer_closed
                  else "up" if self.up else "connecting")
-        out.update(state=state, domain=self.domain, rejected_messages=self.rejected,
-                   endpoint_rejected_messages=self.channel.rejected,
-                   endpoint_rejected_handshakes=self.channel.rejected_handshakes)
+        out.update(state=state, domain=self.domain, rejected_messages=self.rejected)
         return out
+
+    def receiver(self) -> Channel:
+        return self.channel

@@ -66,6 +66,14 @@ BUFFER_IDS = {"in": 0, "out": 1}
 BUFFER_NAMES = ("in", "out")
 
 
+class Endpoint(Protocol):
+    """What receives this rank's messages on a transport (one for all of a rank's links)."""
+
+    def stats(self) -> dict[str, int]:
+        """Counters of the whole endpoint (e.g. refused connections), not of any one link."""
+        ...
+
+
 class Link(ABC):
     """One direction-agnostic connection between this rank and ``peer``."""
 
@@ -84,6 +92,7 @@ class Link(ABC):
         self.on_fingerprint: FingerprintHook | None = None  # set by the communicator
         self.on_control: ControlHook | None = None  # set by the communicator
         self.on_lost: AbortHook | None = None  # set by the communicator: the peer died or went silent
+        self.on_broken: AbortHook | None = None  # set by the communicator: the peer broke the link protocol
         self.bytes_sent = 0
         self.bytes_received = 0
         self.signals_sent = 0
@@ -159,6 +168,13 @@ class Link(ABC):
         if self.on_lost is not None:
             self.on_lost(self.peer, reason)
 
+    def peer_broke_protocol(self, reason: str) -> None:
+        """Called by the transport when the peer sent a message it cannot accept (``reason``
+        says what was wrong). The peer is alive but out of step (another ahcomm version, a
+        bug), so nothing later from it can be trusted: the communicator fails on every rank."""
+        if self.on_broken is not None:
+            self.on_broken(self.peer, reason)
+
     # -- data -----------------------------------------------------------------------------
     def remote(self, buf: str) -> np.ndarray:
         """The peer's CCL buffer ``buf`` ("in" or "out") as uint8, if this link maps it."""
@@ -230,6 +246,10 @@ class Link(ABC):
         for fut in self._mail.values():
             if not fut.done():
                 fut.set_exception(error)
+
+    def receiver(self) -> Endpoint | None:
+        """The endpoint this link receives on, if the transport has one (shared by every link)."""
+        return None
 
     def stats(self) -> dict[str, Any]:
         return {

@@ -1,7 +1,9 @@
 """In-process transport: every rank in one event loop, links are direct calls.
 
 Used by tests to run wide matrices (world sizes 1..16) without processes. Buffers are
-plain numpy arrays, so links are mapped, exactly like SDMA links on one host.
+plain numpy arrays, so links are mapped, exactly like SDMA links on one host. Nothing is
+encoded: a peer hands over Python objects by direct call, so these links cannot receive a
+malformed message (and never call ``peer_broke_protocol``).
 """
 
 from __future__ import annotations
