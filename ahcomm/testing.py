@@ -40,6 +40,7 @@ from .transports._auth import Credentials
 from .transports._zmq import Channel
 from .transports.base import Link
 from .transports.inproc import InprocWorld
+from .transports.mailbox import InprocMailboxes, Mailbox, capacity_from_env
 
 __all__ = ["REDOPS", "TRANSPORTS", "LocalLinks", "acheck_algorithm", "check_algorithm", "local_links", "local_world",
            "reduce_reference"]
@@ -146,22 +147,29 @@ async def local_world(size: int, *, transport: str = "inproc", buffsize: int = 1
     made = await local_links(size, transport=transport, buffsize=buffsize, timeout=timeout)
     model = load_cost_model()
     names = tuple(hosts) if hosts is not None else ("local",) * size
+    # One host over sdma: the host's mailboxes too (in-process ones: the same slots and flags as
+    # the shared-memory ones, woken without a FIFO), so oneshot runs as it does between processes.
+    capacity = capacity_from_env() if transport == "sdma" and size > 1 and len(set(names)) == 1 else 0
+    boxes = InprocMailboxes(size, capacity).boxes if capacity else [None] * size
     return [_comm(r, size, made.links[r], made.buffers[r], made.channels[r], made.progress[r],
-                  Selector(REGISTRY, algo, model), made.single_copy, names) for r in range(size)]
+                  Selector(REGISTRY, algo, model), made.single_copy, names, boxes[r]) for r in range(size)]
 
 
 def _comm(rank: int, size: int, links: dict[int, Link], buffers: CclBuffers, channel: Channel, progress: Progress,
-          selector: Selector, single_copy: bool, hosts: tuple[str, ...]) -> Comm:
+          selector: Selector, single_copy: bool, hosts: tuple[str, ...], mailbox: Mailbox | None = None) -> Comm:
     kinds = tuple("self" if p == rank else links[p].kind for p in range(size))
     topo = Topology(rank=rank, size=size, hosts=hosts, link_kinds=kinds,
-                    all_mapped=all(link.mapped for link in links.values()), single_copy=single_copy)
+                    all_mapped=all(link.mapped for link in links.values()), single_copy=single_copy,
+                    mailbox=mailbox.capacity if mailbox is not None else 0)
 
     async def on_close() -> None:
         channel.close()
         buffers.close()
 
-    return Comm(rank=rank, size=size, links=links, buffers=buffers, topo=topo, progress=progress,
+    comm = Comm(rank=rank, size=size, links=links, buffers=buffers, topo=topo, progress=progress,
                 selector=selector, exec_timeout=Config.from_env({}).exec_timeout, on_close=on_close)
+    comm._executor.mailbox = mailbox
+    return comm
 
 
 # -- the check -------------------------------------------------------------------------------------
