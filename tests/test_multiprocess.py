@@ -24,14 +24,18 @@ def launch(n: int, *program: str, env: dict[str, str] | None = None, timeout: fl
 
 
 def shm_names() -> set[str]:
-    """ahcomm's shared-memory names on this host whose creator is gone (``ahcomm-<pid>-...``):
-    what a finished job left behind. Names of jobs still running (another test's, or another
-    user's on a shared machine) are not counted."""
+    """ahcomm's names in /dev/shm now (``ahcomm-<creator pid>-...``)."""
+    return {p.name for p in Path("/dev/shm").glob("ahcomm-*")}
+
+
+def left_behind(before: set[str]) -> set[str]:
+    """Names that were not there ``before`` and whose creator is gone: what a finished job left.
+    Names of processes still running (another job on a shared machine) are not counted."""
     left = set()
-    for path in Path("/dev/shm").glob("ahcomm-*"):
-        pid = path.name.split("-")[1]
+    for name in shm_names() - before:
+        pid = name.split("-")[1]
         if not (pid.isdigit() and Path(f"/proc/{pid}").exists()):
-            left.add(path.name)
+            left.add(name)
     return left
 
 
@@ -58,7 +62,7 @@ def test_collectives_on_real_transports(n: int, transport: str) -> None:
     before = shm_names()
     proc = launch(n, str(HERE / "mp_worker.py"), env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert shm_names() <= before, "shared-memory names were left behind"
+    assert not left_behind(before), "shared-memory names were left behind"
     for rank in range(n):
         assert f"[{rank}] OK rank {rank}/{n} {transport} single_copy={single}" in proc.stdout, proc.stdout + proc.stderr
 
@@ -71,7 +75,7 @@ def test_catalogue_on_real_transports(n: int, transport: str) -> None:
     before = shm_names()
     proc = launch(n, str(HERE / "mp_catalogue.py"), env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert shm_names() <= before, "shared-memory names were left behind"
+    assert not left_behind(before), "shared-memory names were left behind"
     assert proc.stdout.count("op x algorithm cases") == n, proc.stdout + proc.stderr
 
 
@@ -105,7 +109,7 @@ def test_launcher_env_and_untagged_output(tmp_path: Path) -> None:
         "import os\n"
         "keys = ['AHCOMM_RANK', 'AHCOMM_WORLD_SIZE', 'AHCOMM_LOCAL_RANK', 'AHCOMM_LOCAL_WORLD_SIZE',"
         " 'AHCOMM_MASTER_ADDR']\n"
-        "print(' '.join(os.environ[k] for k in keys), flush=True)\n"
+        "os.write(1, (' '.join(os.environ[k] for k in keys) + '\\n').encode())  # one write: lines stay whole\n"
     )
     proc = launch(3, "python", str(script), tag=False)
     assert proc.returncode == 0, proc.stderr
