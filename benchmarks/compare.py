@@ -33,13 +33,14 @@ OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
 TOOLS = ("ahcomm", "gloo", "mpi")
 
 
-def run_json(cmd: list[str], timeout: float, log: Path, env: dict[str, str] | None = None) -> dict[str, Any]:
+def run_json(cmd: list[str], timeout: float, log: Path, env: dict[str, str] | None = None,
+             cwd: Path = ROOT) -> dict[str, Any]:
     """Run cmd (which writes JSON to cmd[cmd.index('--json')+1]); return doc or {'error': ...}."""
     out = Path(cmd[cmd.index("--json") + 1])
     out.unlink(missing_ok=True)
     t0 = time.monotonic()
     try:  # own session, so a timeout kills the tool's whole process group (launched ranks too)
-        p = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        p = subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                              text=True, start_new_session=True, env=env)
         try:
             so, se = p.communicate(timeout=timeout)
