@@ -286,6 +286,10 @@ async def main() -> None:
     ap.add_argument("--compare-gloo", action="store_true",
                     help="decode with torch.distributed gloo too (skipped if torch is missing)")
     args = ap.parse_args()
+    for name in ("tokens_per_rank", "d_model", "d_ff_per_rank", "micro_batches", "layers", "decode_tokens",
+                 "batch", "rounds"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name.replace('_', '-')} must be at least 1, not {getattr(args, name)}")
     comm = await ahcomm.init()
     async with comm:
         n = comm.size
