@@ -10,6 +10,7 @@ Ratios are busbw(ahcomm) / busbw(peer): above 1 means ahcomm is faster.
 
     python3 benchmarks/compare.py            # -b 8 -e 64M -f 4, np 2 and 4
     python3 benchmarks/compare.py --quick    # -b 8 -e 4M -f 16
+    python3 benchmarks/compare.py --latency  # small-message p50/p90 instead (compare_latency.py)
 """
 from __future__ import annotations
 
@@ -32,14 +33,15 @@ OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
 TOOLS = ("ahcomm", "gloo", "mpi")
 
 
-def run_json(cmd: list[str], timeout: float, log: Path) -> dict[str, Any]:
+def run_json(cmd: list[str], timeout: float, log: Path, env: dict[str, str] | None = None,
+             cwd: Path = ROOT) -> dict[str, Any]:
     """Run cmd (which writes JSON to cmd[cmd.index('--json')+1]); return doc or {'error': ...}."""
     out = Path(cmd[cmd.index("--json") + 1])
     out.unlink(missing_ok=True)
     t0 = time.monotonic()
     try:  # own session, so a timeout kills the tool's whole process group (launched ranks too)
-        p = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                             text=True, start_new_session=True)
+        p = subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True, start_new_session=True, env=env)
         try:
             so, se = p.communicate(timeout=timeout)
             rc, tail = p.returncode, (se or so)[-2000:]
@@ -191,6 +193,10 @@ def header(a: argparse.Namespace, results: dict[int, Any], date: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """CLI."""
+    argv = sys.argv[1:] if argv is None else argv
+    if "--latency" in argv:
+        from compare_latency import main as latency
+        return latency([x for x in argv if x != "--latency"])
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--np", default="2,4", help="comma list of world sizes")
     p.add_argument("--ops", default=",".join(OPS))
@@ -201,6 +207,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("-w", type=int, default=None, help="warmup iters (passed to all tools)")
     p.add_argument("-i", type=int, default=None, help="iters (passed to all tools)")
     p.add_argument("--quick", action="store_true", help="smoke sweep -b 8 -e 4M -f 16")
+    p.add_argument("--latency", action="store_true",
+                   help="small-message p50/p90 instead of the sweep (compare_latency.py; see --latency --help)")
     p.add_argument("--ahcomm-python", default=str(ROOT / ".venv" / "bin" / "python"))
     p.add_argument("--bench-python", default=str(ROOT / ".venv-bench" / "bin" / "python"))
     p.add_argument("--ahcomm-args", default="--inplace",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import http.client
+import importlib.util
 import json
 import os
 import re
@@ -40,10 +41,41 @@ def test_sharded_inference_three_ranks() -> None:
     proc = launch(3, "sharded_inference.py")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     line = rank_lines(proc.stdout, 0)[-1]
-    m = re.search(r"tensor-parallel=(\S+) sequence-parallel=(\S+) pipeline\(1 pair\(s\), 4 micro-batches\)=(\S+) OK$",
-                  line)
+    m = re.search(r"tensor-parallel=(\S+) sequence-parallel=(\S+) pipeline\(1 pair\(s\), 4 micro-batches\)=(\S+) "
+                  r"decode\(8 layers\)=(\S+) OK$", line)
     assert m and line.startswith("sharded_inference: np=3"), line
     assert all(float(v) < 1e-4 for v in m.groups()), line
+    decode = [x for x in rank_lines(proc.stdout, 0) if x.startswith("decode:")]
+    assert len(decode) == 1 and "ahcomm " in decode[0] and "gloo" not in decode[0], proc.stdout
+    assert float(re.search(r"ahcomm (\S+) ms/token \((\d+) tokens/s", decode[0])[1]) > 0, decode  # type: ignore[index]
+
+
+DECODE = ("--compare-gloo", "--layers", "3", "--decode-tokens", "8", "--rounds", "1")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="torch (the test extra) is not installed")
+def test_sharded_inference_decode_against_gloo() -> None:
+    proc = launch(2, "sharded_inference.py", *DECODE)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = rank_lines(proc.stdout, 0)
+    assert lines[-1].startswith("sharded_inference: np=2") and lines[-1].endswith("OK"), proc.stdout
+    decode = [x for x in lines if x.startswith("decode:")]
+    m = re.search(r"ahcomm (\S+) ms/token .*; gloo (\S+) ms/token .*; ahcomm/gloo speed (\S+)x$", decode[0])
+    assert m and float(m[1]) > 0 and float(m[2]) > 0, decode
+    assert abs(float(m[3]) - float(m[2]) / float(m[1])) <= 0.01 * float(m[3]) + 0.01, decode
+
+
+def test_sharded_inference_without_torch_skips_the_gloo_comparison(tmp_path: Path) -> None:
+    (tmp_path / "torch").mkdir()
+    (tmp_path / "torch" / "__init__.py").write_text("raise ImportError('no torch here (test)')\n")
+    path = os.pathsep.join(p for p in (str(tmp_path), os.environ.get("PYTHONPATH", "")) if p)
+    proc = run_job(2, "python", str(EXAMPLES / "sharded_inference.py"), *DECODE,
+                   env={**ENV, "PYTHONPATH": path}, timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = rank_lines(proc.stdout, 0)
+    assert lines[-1].endswith("OK"), proc.stdout
+    decode = [x for x in lines if x.startswith("decode:")]
+    assert decode and decode[0].endswith("gloo comparison skipped (torch is not installed on every rank)"), lines
 
 
 def test_data_parallel_training_matches_single_process() -> None:

@@ -8,6 +8,9 @@ Any fallback is named in the row's "note". Reported time = mean of per-rank mean
 Ranks are started with torch.multiprocessing.spawn on a free 127.0.0.1 port, GLOO_SOCKET_IFNAME=lo.
 
     .venv-bench/bin/python benchmarks/peers/gloo_bench.py -n 2 -b 8 -e 4M -f 16 --json out.json
+
+Latency mode (p50/p90 of single calls, see _latency.py; barrier is dist.barrier):
+    .venv-bench/bin/python benchmarks/peers/gloo_bench.py -n 2 --latency -i 2000 -w 200 --json out.json
 """
 from __future__ import annotations
 
@@ -22,6 +25,7 @@ from typing import Any, Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common as C  # noqa: E402
+import _latency as L  # noqa: E402
 
 Call = Callable[[], None]
 
@@ -128,13 +132,69 @@ def rank_main(rank: int, n: int, port: int, args: Any) -> None:
     dist.destroy_process_group()
 
 
+def rank_latency(rank: int, n: int, port: int, args: Any) -> None:
+    """Latency mode: p50/p90 of single calls per case (the slowest rank's)."""
+    import numpy as np
+    import torch
+    import torch.distributed as dist
+
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=n, timeout=datetime.timedelta(minutes=5))
+    rows: list[dict[str, Any]] = []
+    for op, nbytes in L.cases(args.cases):
+        k = L.elems(nbytes)
+        send = torch.zeros(max(k, 1), dtype=torch.float32)
+        recv = torch.zeros(k * n, dtype=torch.float32) if op == "all_gather" else send
+        impls = [("", dist.barrier)] if op == "barrier" else candidates(op, send, recv, n)
+        note, call, wrong = "", None, 0
+        for note, cand in impls:
+            if op != "barrier":
+                send.copy_(torch.from_numpy(C.check_input(op, rank, n, k)))
+            dist.barrier()
+            try:
+                cand()
+            except (RuntimeError, NotImplementedError, ValueError, AttributeError):
+                continue
+            call = cand
+            if op != "barrier":
+                wrong = int(np.count_nonzero(recv.numpy() != C.expected(op, rank, n, k)))
+            break
+        if call is None:
+            raise SystemExit(f"gloo: no working implementation of {op}")
+        send.fill_(0.0)  # repeated in-place sums stay 0
+        for _ in range(args.warmup_iters):
+            call()
+        stamps = np.empty(args.iters + 1)
+        dist.barrier()
+        stamps[0] = time.perf_counter()
+        for i in range(args.iters):
+            call()
+            stamps[i + 1] = time.perf_counter()
+        agg = torch.tensor(L.spread(stamps), dtype=torch.float64)
+        dist.all_reduce(agg, op=dist.ReduceOp.MAX)
+        bad = torch.tensor([float(wrong)], dtype=torch.float64)
+        dist.all_reduce(bad)
+        if rank == 0:
+            rows.append(L.row(op, nbytes, float(agg[0]), float(agg[1]), args.iters, int(bad.item()), note))
+            L.print_row(n, rows[-1])
+    if rank == 0:
+        L.write(args.json, "gloo", n, rows, {"version": f"torch {torch.__version__}"})
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 def main(argv: list[str] | None = None) -> int:
     """Parse flags and spawn the ranks."""
     import torch.multiprocessing as mp
 
-    args = C.make_parser(__doc__.splitlines()[0]).parse_args(argv)
+    parser = C.make_parser(__doc__.splitlines()[0])
+    L.add_args(parser)
+    args = parser.parse_args(argv)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    mp.spawn(rank_main, args=(args.np, free_port(), args), nprocs=args.np, join=True)
+    body = rank_latency if args.latency else rank_main
+    mp.spawn(body, args=(args.np, free_port(), args), nprocs=args.np, join=True)
     return 0
 
 

