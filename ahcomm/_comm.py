@@ -47,7 +47,7 @@ from ._collectives import BlockedCollectives, flat_view
 from ._devices import device_aware, take_staging
 from ._dtypes import ReduceOp, check_dtype, check_reduce, ufunc_for
 from ._errors import CommClosedError, InvalidArgument, UsageError, check_timeout
-from . import _groups, _health
+from . import _elastic, _groups, _health
 from ._health import Health
 from ._objects import ObjectCollectives
 from ._p2p import PointToPoint
@@ -220,6 +220,20 @@ class Comm(Health, BlockedCollectives, ObjectCollectives, PointToPoint):
         torch.distributed.new_group); see ``split``.
         """
         return await _groups.new_group(self, ranks, buffsize)
+
+    # -- elasticity ------------------------------------------------------------------------
+    async def shrink(self, *, exclude: Sequence[int] | None = None,
+                     timeout: float | None = None) -> "Comm | None":
+        """A communicator of the ranks still alive (ULFM's MPI_Comm_shrink, ncclCommShrink).
+
+        Called by every survivor after a failure (this communicator stays failed), or at any
+        time with ``exclude``: ranks to leave out (they need not call it; one that does gets
+        None). The survivors agree on who is gone - ranks that saw different failures converge,
+        and a rank that dies meanwhile is left out too - and get a communicator of the others,
+        ranked in their old order, on the existing connections. ``timeout`` (default
+        AHCOMM_EXEC_TIMEOUT) bounds the wait for the other survivors.
+        """
+        return await _elastic.shrink(self, exclude, timeout)
 
     # -- plumbing ---------------------------------------------------------------------------
     def _check_open(self) -> None:
