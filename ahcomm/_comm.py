@@ -235,6 +235,16 @@ class Comm(Health, BlockedCollectives, ObjectCollectives, PointToPoint):
         """
         return await _elastic.shrink(self, exclude, timeout)
 
+    async def grow(self, *, timeout: float | None = None) -> "Comm":
+        """A communicator of the job's full world size again (ncclCommGrow): every member calls
+        it, and each missing rank is a replacement process (``ahcomm-run --on-failure restart``)
+        whose ``ahcomm.init()`` joins. Ranks are world ranks (a replacement gets the rank the
+        launcher gave it). ``timeout`` (default AHCOMM_CONNECT_TIMEOUT) bounds the wait for all.
+        State is the application's: e.g. ``broadcast_object`` it from a member afterwards.
+        """
+        from . import _grow
+        return await _grow.grow(self, timeout)
+
     # -- plumbing ---------------------------------------------------------------------------
     def _check_open(self) -> None:
         if self._closed:

@@ -365,7 +365,8 @@ def _finish(s: _Session) -> "Comm":
     new.parent_ranks = members
     new._domains = old._domains
     new._parent = old  # names world ranks in messages; not one of old's children (closing old keeps it)
-    _share_connections(old, new, links, buffers)
+    share_connections(old, new, links, buffers, channel_of(old))
+    _shrunk.add(new)
     s.links = {}  # the new communicator owns them now
     s.finished = True
     tracer = new._executor.tracer
@@ -374,9 +375,33 @@ def _finish(s: _Session) -> "Comm":
     return new
 
 
-def _share_connections(old: "Comm", new: "Comm", links: dict[int, Link], buffers: CclBuffers) -> None:
+_shrunk: "weakref.WeakSet[Comm]" = weakref.WeakSet()
+_channels: "weakref.WeakKeyDictionary[Comm, Any]" = weakref.WeakKeyDictionary()
+
+
+def is_shrunk(comm: "Comm") -> bool:
+    return comm in _shrunk
+
+
+def remember_channel(comm: "Comm", channel: Any) -> None:
+    _channels[comm] = channel
+
+
+def channel_of(comm: "Comm") -> Any:
+    """The transport channel under ``comm``'s connections (None for an in-process communicator)."""
+    for link in comm._executor.links.values():
+        root = getattr(link, "root", None)
+        if root is not None:
+            return root.channel
+    return _channels.get(comm)
+
+
+def share_connections(old: "Comm", new: "Comm", links: dict[int, Link], buffers: CclBuffers,
+                      channel: Any = None) -> None:
     """The new communicator rides on the old one's connections: whichever of the two closes last
     releases them (the old one's own close), so closing the failed old one first is fine."""
+    if channel is not None:
+        remember_channel(new, channel)
     release = old._on_close
     open_ = {"old": True, "new": True}
 

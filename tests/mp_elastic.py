@@ -7,6 +7,9 @@ converge: ranks see different failures (exclude=[3] on rank 0, [4] on rank 1, no
 stagger:  no failure, no exclude: every rank shrinks (to all of them), rank 3 0.3 s after the
           others (their first joins reach it before it listens).
 late:     rank VICTIM dies while the others are in their shrink (it never joins).
+grow:     (under --on-failure restart) rank VICTIM dies; the survivors shrink, all_reduce, then
+          grow() while the launcher restarts it; its init() rejoins; the state comes from rank 0
+          by broadcast_object and every rank all_reduces on the grown communicator.
 group:    groups A = ranks 1, 2, 3 and B = ranks 0, 1; rank 2 dies: A shrinks to ranks 1, 3 (the
           whole communicator to 0, 1, 3), B goes on unaffected.
 Each survivor prints "OK old=R new=R' size=N members=A,B,.. first=T" (T: time.time() of its first
@@ -49,10 +52,46 @@ async def check(comm: ahcomm.Comm, new: ahcomm.Comm | None, survivors: list[int]
     await new.close()
 
 
+async def grown_check(grown: ahcomm.Comm, state: dict[str, int] | None, victim: int) -> None:
+    state = await grown.broadcast_object(state, root=1 if victim == 0 else 0)  # a survivor has it
+    assert state == {"total": 20 * 4 + 5 * 3}, state  # what rank 0 summed up before the growth
+    got = await grown.all_reduce(np.full(100, grown.rank + 1, np.int64))
+    assert grown.size == 4 and (got == 10).all(), (grown.size, got[:3])
+    print(f"GROWN rank={grown.rank} size={grown.size} restarts={os.environ.get('AHCOMM_RESTART_COUNT', '0')} "
+          f"state={state['total']}", flush=True)
+    await grown.close()
+
+
+async def grow_case(comm: ahcomm.Comm, victim: int) -> None:
+    if os.environ.get("AHCOMM_RESTART_COUNT"):  # the replacement: init() joined the running job
+        assert comm.rank == victim and comm.size == 4, (comm.rank, comm.size)
+        await grown_check(comm, None, victim)
+        return
+    total = 0
+    for i in range(100):
+        if comm.rank == victim and i == 20:
+            die()
+        try:
+            total += int((await comm.all_reduce(np.ones(1, np.int64)))[0])
+        except ahcomm.CommunicationError:
+            break
+    new = await comm.shrink()
+    assert new is not None and new.size == 3
+    for _ in range(5):
+        total += int((await new.all_reduce(np.ones(1, np.int64)))[0])
+    grown = await new.grow()
+    await grown_check(grown, {"total": total}, victim)
+    await new.close()
+    await comm.close()
+
+
 async def main() -> None:
     case = os.environ["CASE"]
     victim = int(os.environ.get("VICTIM", "2"))
     comm = await ahcomm.init()
+    if case == "grow":
+        await grow_case(comm, victim)
+        return
     size, rank = comm.size, comm.rank
     if case in ("kill", "late"):
         failed = False

@@ -106,3 +106,19 @@ async def test_shrink_arguments_are_checked() -> None:
         await alone.close()
     finally:
         await comm.close()
+
+
+@pytest.mark.parametrize("victim", [2, 0])
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_a_restarted_rank_rejoins_through_grow(transport: str, victim: int) -> None:
+    """ahcomm-run --on-failure restart starts the dead rank again; its init() joins the survivors'
+    grow() (world rank 0 serves the grow rendezvous: a survivor, or with victim 0 the replacement)."""
+    argv = [sys.executable, "-m", "ahcomm.run", "-n", "4", "--on-failure", "restart", "--max-restarts", "1",
+            "--tag-output", WORKER]
+    env = job_env({"CASE": "grow", "VICTIM": str(victim), "AHCOMM_TRANSPORT": transport, "AHCOMM_EXEC_TIMEOUT": "20",
+                   "AHCOMM_CONNECT_TIMEOUT": "20"}, drop=["AHCOMM_RESTART_COUNT"])
+    res = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert res.returncode == 137, res.stdout + res.stderr
+    grown = sorted(line for line in res.stdout.splitlines() if "GROWN" in line)
+    assert len(grown) == 4, res.stdout + res.stderr
+    assert f"[{victim}] GROWN rank={victim} size=4 restarts=1 state=95" in grown, grown
