@@ -122,3 +122,19 @@ def test_a_restarted_rank_rejoins_through_grow(transport: str, victim: int) -> N
     grown = sorted(line for line in res.stdout.splitlines() if "GROWN" in line)
     assert len(grown) == 4, res.stdout + res.stderr
     assert f"[{victim}] GROWN rank={victim} size=4 restarts=1 state=95" in grown, grown
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_the_elastic_service_example_survives_a_crash_and_takes_the_replica_back(transport: str) -> None:
+    """examples/elastic_service.py under --on-failure restart: replica 2 is killed at tick 15 of
+    60, the others go on with 3 for 10 ticks, grow back to 4, and every replica ends with the
+    total the cluster really served: 4*15 + 3*10 + 4*35 = 230."""
+    argv = [sys.executable, "-m", "ahcomm.run", "-n", "4", "--on-failure", "restart", "--max-restarts", "1",
+            "--tag-output", str(ROOT / "examples" / "elastic_service.py"), "--ticks", "60", "--crash", "2@15"]
+    env = job_env({"AHCOMM_TRANSPORT": transport, "AHCOMM_EXEC_TIMEOUT": "20", "AHCOMM_CONNECT_TIMEOUT": "20"},
+                  drop=["AHCOMM_RESTART_COUNT"])
+    res = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert res.returncode == 137, res.stdout + res.stderr  # the crash still shows in the status
+    assert "[2] replica 2: restarted, joined the job; catching up" in res.stdout, res.stdout + res.stderr
+    ends = sorted(line for line in res.stdout.splitlines() if "tick 60 total" in line)
+    assert ends == [f"[{r}] replica {r}: tick 60 total 230" for r in range(4)], res.stdout + res.stderr
