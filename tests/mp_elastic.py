@@ -6,6 +6,7 @@ converge: ranks see different failures (exclude=[3] on rank 0, [4] on rank 1, no
           ranks 3 and 4 do not take part): all three end in one communicator of ranks 0, 1, 2.
 stagger:  no failure, no exclude: every rank shrinks (to all of them), rank 3 0.3 s after the
           others (their first joins reach it before it listens).
+twice:    ranks 2 and then 4 of 5 die at different times: two shrinks in a row.
 late:     rank VICTIM dies while the others are in their shrink (it never joins).
 grow:     (under --on-failure restart) rank VICTIM dies; the survivors shrink, all_reduce, then
           grow() while the launcher restarts it; its init() rejoins; the state comes from rank 0
@@ -35,7 +36,8 @@ def die() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-async def check(comm: ahcomm.Comm, new: ahcomm.Comm | None, survivors: list[int], caught: float = 0.0) -> None:
+async def check(comm: ahcomm.Comm, new: ahcomm.Comm | None, survivors: list[int], caught: float = 0.0, *,
+                close: bool = True) -> None:
     assert new is not None, f"rank {comm.rank}: shrink gave None"
     assert new.size == len(survivors), (new.size, survivors)
     assert new.rank == survivors.index(comm.rank), (new.rank, survivors)
@@ -49,7 +51,8 @@ async def check(comm: ahcomm.Comm, new: ahcomm.Comm | None, survivors: list[int]
     assert gathered == survivors, gathered
     print(f"OK old={comm.rank} new={new.rank} size={new.size} members={','.join(map(str, new.world_ranks))} "
           f"first={first:.6f} caught={caught:.6f}", flush=True)
-    await new.close()
+    if close:
+        await new.close()
 
 
 async def grown_check(grown: ahcomm.Comm, state: dict[str, int] | None, victim: int) -> None:
@@ -138,8 +141,27 @@ async def main() -> None:
         if rank == 3:
             await asyncio.sleep(0.3)
         new = await comm.shrink()
-        await check(comm, new, list(range(size)))
-        await comm.close()
+        await check(comm, new, list(range(size)), close=False)
+        await comm.close()  # the old one first: the new one still works, on the same connections
+        assert new is not None
+        assert (await new.all_reduce(np.ones(4, np.int64)) == size).all()
+        await new.close()
+        return
+    if case == "twice":  # rank 2 dies, later rank 4: two shrinks in a row
+        current, alive = comm, list(range(size))
+        for i in range(200):
+            if (rank == 2 and i == 10) or (rank == 4 and i == 60):
+                die()
+            try:
+                await current.all_reduce(np.ones(16, np.float32))
+            except (ahcomm.CommunicationError, ahcomm.CommClosedError):
+                shrunk = await current.shrink()
+                assert shrunk is not None
+                alive = list(shrunk.world_ranks)
+                current = shrunk
+            if len(alive) == 3:
+                break
+        await check(comm, current, [0, 1, 3])
         return
     if case == "converge":
         await comm.all_reduce(np.ones(8, np.float32))

@@ -68,6 +68,14 @@ def test_a_rank_that_begins_its_shrink_late_is_waited_for(transport: str) -> Non
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
+def test_a_shrunk_communicator_shrinks_again(transport: str) -> None:
+    res = run("twice", 5, transport)
+    assert res.returncode == 137, res.stdout + res.stderr
+    ok = survivors(res)
+    assert sorted(ok) == [0, 1, 3] and {f["members"] for f in ok.values()} == {"0,1,3"}, res.stdout + res.stderr
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
 def test_survivors_that_saw_different_failures_converge(transport: str) -> None:
     res = run("converge", 5, transport)
     assert res.returncode == 0, res.stdout + res.stderr
