@@ -379,8 +379,10 @@ _shrunk: "weakref.WeakSet[Comm]" = weakref.WeakSet()
 _channels: "weakref.WeakKeyDictionary[Comm, Any]" = weakref.WeakKeyDictionary()
 
 
-def is_shrunk(comm: "Comm") -> bool:
-    return comm in _shrunk
+def is_whole(comm: "Comm") -> bool:
+    """A job-wide communicator: the first one, or one shrunk (again and again) from it."""
+    parent = comm._parent
+    return parent is None or (comm in _shrunk and is_whole(parent))
 
 
 def remember_channel(comm: "Comm", channel: Any) -> None:

@@ -114,7 +114,7 @@ async def grow(comm: "Comm", timeout: float | None) -> "Comm":
     cfg, _, size, port = _bootstrap._resolve_config(None, None, None, None, None)
     members = set(comm.world_ranks)
     me = comm.world_ranks[comm.rank]
-    if comm._parent is not None and not _elastic.is_shrunk(comm):
+    if not _elastic.is_whole(comm):
         raise UsageError("grow: a sub-communicator (split/new_group) cannot grow; grow the communicator it came from")
     if len(members) >= size:
         raise UsageError(f"grow: every rank of the job (world size {size}) is a member already")

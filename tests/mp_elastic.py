@@ -191,6 +191,11 @@ async def main() -> None:
             got = await a2.all_reduce(np.full(8, rank, np.int64))
             assert (got == 4).all(), got
             print(f"A shrunk on {rank}: {list(a2.world_ranks)}", flush=True)
+            try:
+                await a2.grow()
+                raise AssertionError("a shrunk group grew")
+            except ahcomm.UsageError as exc:
+                assert "sub-communicator" in str(exc), exc
             await a2.close()
             await a.close()
             del with_a
