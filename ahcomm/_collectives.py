@@ -10,13 +10,14 @@ numbers when the call is made, so matching across ranks is unchanged.
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Sequence
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
 from ._devices import device_aware
 from ._dtypes import ReduceOp, check_reduce, finish_avg
-from ._errors import InvalidArgument
+from ._errors import InvalidArgument, InvalidDtype, UsageError
 from .algorithms.base import Call
 
 if TYPE_CHECKING:
@@ -32,6 +33,15 @@ class Gathered(NamedTuple):
 def flat_view(result: np.ndarray) -> np.ndarray:
     """A flat contiguous view of ``result``, or a temporary when it is strided."""
     return result.reshape(-1) if result.flags.c_contiguous else np.empty(result.size, result.dtype)
+
+
+def retrieved(future: "asyncio.Future[Any]") -> None:
+    """A done callback for an internal future whose error reaches the caller another way."""
+    if not future.cancelled():
+        future.exception()
+
+
+_ARGS = (InvalidArgument, InvalidDtype)  # argument errors that ``_reject`` turns into a retired call
 
 
 def _row_size(arr: np.ndarray) -> int:
@@ -50,6 +60,7 @@ class BlockedCollectives:
         def _input(self, x: Any, what: str) -> tuple[np.ndarray, np.dtype]: ...
         def _check_root(self, root: int, what: str) -> None: ...
         def _check_open(self) -> None: ...
+        def _reject(self, op: str, exc: UsageError, root: int = 0) -> UsageError: ...
         def _output(self, op: str, out: np.ndarray | None, shape: tuple[int, ...],
                     dtype: np.dtype) -> np.ndarray: ...
         def _submit(self, call: Call, src: np.ndarray, dst: np.ndarray, result: Any,
@@ -74,7 +85,10 @@ class BlockedCollectives:
         call = Call(op="reduce", seq=self._seq, dtype=dtype, count=arr.size, redop=redop, root=int(root))
         if self.rank != root:
             return self._submit(call, src, src[:0], None, None, algorithm, timeout=timeout)
-        result = self._output("reduce", out, arr.shape, dtype)
+        try:  # only the root checks out=
+            result = self._output("reduce", out, arr.shape, dtype)
+        except _ARGS as exc:
+            raise self._reject("reduce", exc, root) from None
         dst = flat_view(result)
         if result is arr and arr.flags.c_contiguous:
             src = dst
@@ -104,11 +118,16 @@ class BlockedCollectives:
         self._check_root(root, "gather_v")
         self._check_rows(arr, "gather_v")
         if counts is not None:
-            rows = self._check_counts(counts, "gather_v", own=arr.shape[0])
+            try:  # counts[rank] against this rank's rows: only this rank can check
+                rows = self._check_counts(counts, "gather_v", own=arr.shape[0])
+            except _ARGS as exc:
+                raise self._reject("gather_v", exc, root) from None
             return self._gather(arr, root, rows, out, algorithm, "gather_v", uneven=True, timeout=timeout)
-        shapes = self.all_gather(np.array([arr.shape[0], _row_size(arr)], np.int64), timeout=timeout)
-        return self._gather(arr, root, None, out, algorithm, "gather_v", uneven=True, shapes=shapes,
-                            timeout=timeout)
+        row = _row_size(arr)
+        shapes = self.all_gather(np.array([arr.shape[0], row], np.int64), timeout=timeout)
+        shapes.add_done_callback(retrieved)
+        return self._gather(arr, root, None, out, algorithm, "gather_v", uneven=True,
+                            later=lambda: self._exchanged_rows(shapes, "gather_v", row), timeout=timeout)
 
     @device_aware
     def all_gather_v(self, x: Any, *, counts: Sequence[int] | None = None, out: np.ndarray | None = None,
@@ -128,10 +147,14 @@ class BlockedCollectives:
             job.finish = self._finish(job.dst, result, None)
 
         if counts is not None:
-            rows = self._check_counts(counts, "all_gather_v", own=arr.shape[0])
-            return self._submit(call, src, src, None, None, algorithm, prepare=lambda job: prepare(job, rows),
-                                timeout=timeout)
+            try:  # counts[rank] against this rank's rows, out=: only this rank can check
+                rows = self._check_counts(counts, "all_gather_v", own=arr.shape[0])
+                return self._submit(call, src, src, None, None, algorithm, prepare=lambda job: prepare(job, rows),
+                                    timeout=timeout)
+            except _ARGS as exc:
+                raise self._reject("all_gather_v", exc) from None
         shapes = self.all_gather(np.array([arr.shape[0], row], np.int64), timeout=timeout)
+        shapes.add_done_callback(retrieved)
         call.seq = self._seq
         return self._submit(call, src, src, None, None, algorithm, later=True, timeout=timeout,
                             prepare=lambda job: prepare(job, self._exchanged_rows(shapes, "all_gather_v", row)))
@@ -165,8 +188,12 @@ class BlockedCollectives:
         where ``out`` is given.
         """
         self._check_root(root, "scatter")
-        arr = self._template(x, out, "scatter", root)
-        return self._scatter(arr, root, self._even_rows(arr, "scatter"), out, algorithm, "scatter", timeout=timeout)
+        try:  # x is checked at the root only, out= elsewhere
+            arr = self._template(x, out, "scatter", root)
+            return self._scatter(arr, root, self._even_rows(arr, "scatter"), out, algorithm, "scatter",
+                                 timeout=timeout)
+        except _ARGS as exc:
+            raise self._reject("scatter", exc, root) from None
 
     @device_aware
     def scatter_v(self, x: Any, counts: Sequence[int], root: int = 0, *, out: np.ndarray | None = None,
@@ -177,10 +204,13 @@ class BlockedCollectives:
         the dtype and the shape of a row.
         """
         self._check_root(root, "scatter_v")
-        arr = self._template(x, out, "scatter_v", root)
-        self._check_rows(arr, "scatter_v")
-        rows = self._check_counts(counts, "scatter_v", total=arr.shape[0] if self.rank == root else None)
-        return self._scatter(arr, root, rows, out, algorithm, "scatter_v", timeout=timeout)
+        try:  # x and the counts' total are checked at the root only, out= elsewhere
+            arr = self._template(x, out, "scatter_v", root)
+            self._check_rows(arr, "scatter_v")
+            rows = self._check_counts(counts, "scatter_v", total=arr.shape[0] if self.rank == root else None)
+            return self._scatter(arr, root, rows, out, algorithm, "scatter_v", timeout=timeout)
+        except _ARGS as exc:
+            raise self._reject("scatter_v", exc, root) from None
 
     @device_aware
     def all_to_all(self, x: Any, *, out: np.ndarray | None = None,
@@ -204,6 +234,7 @@ class BlockedCollectives:
             recv = self._check_counts(recv_counts, "all_to_all_v", name="recv_counts")
             return self._all_to_all(arr, send, recv, out, algorithm, "all_to_all_v", timeout=timeout)
         exchanged = self.all_to_all(np.array(send, np.int64), timeout=timeout)
+        exchanged.add_done_callback(retrieved)
         return self._all_to_all(arr, send, None, out, algorithm, "all_to_all_v", exchanged=exchanged,
                                 timeout=timeout)
 
@@ -239,7 +270,8 @@ class BlockedCollectives:
         try:
             rows = tuple(int(c) for c in counts)
         except (TypeError, ValueError):
-            raise InvalidArgument(f"{what}: {name} must be a sequence of {self.size} integers, got {counts!r}") from None
+            raise InvalidArgument(
+                f"{what}: {name} must be a sequence of {self.size} integers, got {counts!r}") from None
         if len(rows) != self.size or any(c < 0 for c in rows):
             raise InvalidArgument(f"{what}: {name} must be {self.size} non-negative integers "
                                   f"(one per rank), got {list(rows)}")
@@ -262,27 +294,29 @@ class BlockedCollectives:
         """The root's data, or (elsewhere) an array giving the dtype and row shape."""
         if x is None and (self.rank == root or out is None):
             self._check_open()
-            raise InvalidArgument(f"{what}: x is required {'at the root' if self.rank == root else 'unless out= is given'}")
+            where = "at the root" if self.rank == root else "unless out= is given"
+            raise InvalidArgument(f"{what}: x is required {where}")
         if x is None:
             assert out is not None
             self._check_open()
             self._input(out, what)
-            if what == "scatter" and out.ndim:  # even blocks: the whole is size x out's rows
-                return out.reshape(out.shape[0] * self.size, *out.shape[1:])
+            if what == "scatter" and out.ndim:  # even blocks: the whole is size x out's rows (a view of nothing)
+                return np.broadcast_to(np.empty((), out.dtype), (out.shape[0] * self.size, *out.shape[1:]))
             return np.empty((0, *out.shape[1:]), out.dtype) if out.ndim else out  # only dtype and row shape count
         arr, _ = self._input(x, what)
         return arr
 
     def _gather(self, arr: np.ndarray, root: int, rows: tuple[int, ...] | None, out: np.ndarray | None,
                 algorithm: str | None, op: str, *, uneven: bool,
-                shapes: "asyncio.Future[np.ndarray] | None" = None,
+                later: Callable[[], tuple[int, ...]] | None = None,
                 timeout: float | None = None) -> "asyncio.Future[Any]":
+        """``rows`` per rank, or None: ``later()`` gives them when the call's turn comes."""
         dtype, row = arr.dtype, _row_size(arr)
         src = np.ascontiguousarray(arr).reshape(-1)
         call = Call(op=op, seq=self._seq, dtype=dtype, count=src.size, root=int(root))
 
         def prepare(job: _Job) -> None:
-            got = rows if rows is not None else self._exchanged_rows(shapes, op, row)  # type: ignore[arg-type]
+            got = rows if rows is not None else later()  # type: ignore[misc]
             job.call.counts = tuple(r * row for r in got)
             if self.rank == root:
                 result = self._output(op, out, (sum(got), *arr.shape[1:]), dtype)
@@ -290,8 +324,13 @@ class BlockedCollectives:
                 job.finish = self._finish(job.dst, result, None)
                 job.result = Gathered(result, got) if uneven else result
 
-        return self._submit(call, src, src[:0], None, None, algorithm, prepare=prepare, later=rows is None,
-                            timeout=timeout)
+        if rows is None:
+            return self._submit(call, src, src[:0], None, None, algorithm, prepare=prepare, later=True,
+                                timeout=timeout)
+        try:  # the root's out=: only the root checks it
+            return self._submit(call, src, src[:0], None, None, algorithm, prepare=prepare, timeout=timeout)
+        except _ARGS as exc:
+            raise self._reject(op, exc, root) from None
 
     def _scatter(self, arr: np.ndarray, root: int, rows: tuple[int, ...], out: np.ndarray | None,
                  algorithm: str | None, op: str, *, timeout: float | None = None) -> "asyncio.Future[Any]":

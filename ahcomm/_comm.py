@@ -22,6 +22,9 @@ Reliability (always on):
   ranks that had not arrived; the peers are told the same.
 * A lost peer (``Link.on_lost``: the transport saw its socket close or its heartbeats stop)
   fails the communicator with ``PeerFailure`` naming the peer and the collective in flight.
+* A call rejected after it took its sequence number (or by some ranks only) is retired:
+  every rank that rejected it raises, and the peers are told (``_retire``); if some rank ran
+  it instead, every rank fails with ``CollectiveMismatchError`` naming the rejecting rank.
 * Every failure writes the flight recorder (``_flight``) as JSON and names the file; SIGUSR1
   prints each communicator's state to stderr.
 
@@ -36,27 +39,30 @@ import itertools
 import threading
 import time
 from collections import deque
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable, Sequence
+from typing import Any
 
 import numpy as np
 
-from . import _flight
+from . import _elastic, _flight, _groups, _health
 from ._buffers import CclBuffers
 from ._collectives import BlockedCollectives, flat_view
 from ._devices import device_aware, take_staging
 from ._dtypes import ReduceOp, check_dtype, check_reduce, ufunc_for
 from ._errors import CommClosedError, InvalidArgument, UsageError, check_timeout
-from . import _elastic, _groups, _health
+from ._flight import Entry, FlightRecorder
 from ._health import Health
 from ._objects import ObjectCollectives
 from ._p2p import PointToPoint
-from ._flight import Entry, FlightRecorder
+from ._retire import Retirement
+from ._sync import ThreadsafeCalls
 from .algorithms._executor import Executor, Progress
 from .algorithms._selection import Selector
 from .algorithms.base import WHOLE, Algorithm, Call, Topology
 from .transports.base import Link
 
+_UFUNCS: dict[tuple[ReduceOp, np.dtype], np.ufunc] = {}  # ufunc_for's answers (a few dozen at most)
 
 
 @dataclass(slots=True)
@@ -84,8 +90,13 @@ def _as_array(x: Any, what: str) -> np.ndarray:
     raise InvalidArgument(f"{what} must be a numpy array (or expose __array__), got {type(x).__name__}")
 
 
-class Comm(Health, BlockedCollectives, ObjectCollectives, PointToPoint):
-    """A group of ranks that run collectives together."""
+class Comm(Health, Retirement, ThreadsafeCalls, BlockedCollectives, ObjectCollectives, PointToPoint):
+    """A group of ranks that run collectives together.
+
+    A communicator belongs to the event loop it was created on: call it from that loop
+    only (another loop or thread gets ``WrongLoopError`` at once). Synchronous code in other
+    threads calls in through ``call_threadsafe`` or ``sync``.
+    """
 
     def __init__(self, *, rank: int, size: int, links: dict[int, Link], buffers: CclBuffers,
                  topo: Topology, progress: Progress, selector: Selector, exec_timeout: float,
@@ -130,6 +141,8 @@ class Comm(Health, BlockedCollectives, ObjectCollectives, PointToPoint):
         self._executor.set_hooks(on_abort=self._peer_aborted, on_fingerprint=self._on_fingerprint,
                                  on_control=self._on_control, on_lost=self._on_lost, on_broken=self._on_broken)
         self._p2p_init()
+        self._retire_init()
+        self._sync_init()
         if self._loop is not None:
             _flight.watch(self, self._loop)
 
@@ -140,7 +153,12 @@ class Comm(Health, BlockedCollectives, ObjectCollectives, PointToPoint):
     async def __aenter__(self) -> "Comm":
         return self
 
-    async def __aexit__(self, *exc: object) -> None:
+    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                        tb: object) -> None:
+        """A clean exit closes collectively; leaving on an exception aborts and tells every peer
+        which rank failed and with what (they get ``PeerFailure`` carrying it)."""
+        if exc is not None and not self._closed:
+            self.abort(f"it left `async with` on {type(exc).__name__}: {exc}"[:2000])
         await self.close()
 
     @property
@@ -192,12 +210,12 @@ class Comm(Health, BlockedCollectives, ObjectCollectives, PointToPoint):
         return self._issue("broadcast", arr, arr.shape, arr.size, out, root=root, algorithm=algorithm,
                            timeout=timeout)
 
-    def barrier(self, *, timeout: float | None = None) -> "asyncio.Future[None]":
+    def barrier(self, *, algorithm: str | None = None, timeout: float | None = None) -> "asyncio.Future[None]":
         """Wait until every rank has entered the barrier."""
         self._check_open()
         call = Call(op="barrier", seq=self._seq, dtype=np.dtype(np.uint8), count=0)
         empty = np.empty(0, np.uint8)
-        return self._submit(call, empty, empty, None, None, None, timeout=timeout)
+        return self._submit(call, empty, empty, None, None, algorithm, timeout=timeout)
 
     # -- sub-communicators -----------------------------------------------------------------
     async def split(self, color: int | None, key: int | None = None, *,
@@ -247,6 +265,12 @@ class Comm(Health, BlockedCollectives, ObjectCollectives, PointToPoint):
 
     # -- plumbing ---------------------------------------------------------------------------
     def _check_open(self) -> None:
+        try:
+            loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+        except RuntimeError:
+            loop = None
+        if loop is not self._loop:
+            self._not_my_loop(loop)
         if self._closed:
             raise CommClosedError(f"communicator (rank {self.rank}) is closed")
         if self._error is not None:
@@ -302,7 +326,8 @@ class Comm(Health, BlockedCollectives, ObjectCollectives, PointToPoint):
         assert call.seq == self._seq
         if timeout is not None:
             timeout = check_timeout(timeout, call.op)
-        job = _Job(call, None, src, dst, result, finish, asyncio.get_running_loop().create_future(),
+        assert self._loop is not None  # _check_open ran
+        job = _Job(call, None, src, dst, result, finish, self._loop.create_future(),
                    prepare if later else None, algorithm, timeout, ready=ready)
         if not later:
             if prepare is not None:
@@ -366,6 +391,15 @@ class Comm(Health, BlockedCollectives, ObjectCollectives, PointToPoint):
                 entry = job.entry
                 if entry is not None:
                     entry.state, entry.ended = "done", time.monotonic()
+                if job.finish is not None:  # the run is over on every rank: a failure here is this call's only
+                    try:
+                        job.finish()
+                    except Exception as exc:  # noqa: BLE001 - delivered to the caller
+                        if entry is not None:
+                            self._mark(entry, exc)
+                        if not job.future.done():
+                            job.future.set_exception(exc)
+                        continue
                 if not job.future.done():
                     job.future.set_result(job.result)
             job.ready = None  # a device input's staging: not kept alive until the next collective
@@ -379,8 +413,14 @@ class Comm(Health, BlockedCollectives, ObjectCollectives, PointToPoint):
                 self._register(call.seq, call.fingerprint)
                 if self._error is not None:  # its fingerprint differs from a peer's
                     raise self._error
+        if self._peer_retired and call.seq in self._peer_retired and not self._peer_retired[call.seq][3]:
+            self._retired_elsewhere(call.seq)
+            raise self._error or CommClosedError(f"{call.op} #{call.seq} was rejected by a peer")
         assert job.algorithm is not None
-        ufunc = ufunc_for(call.redop, call.dtype) if call.redop is not None else None
+        ufunc = None
+        if call.redop is not None:  # checked when the call was made: remembered per (op, dtype)
+            ufunc = _UFUNCS.get((call.redop, call.dtype)) or _UFUNCS.setdefault(
+                (call.redop, call.dtype), ufunc_for(call.redop, call.dtype))
         loop = asyncio.get_running_loop()
         now = loop.time()
         self._running, self._started, self._started_seq = job, now, call.seq
@@ -393,22 +433,26 @@ class Comm(Health, BlockedCollectives, ObjectCollectives, PointToPoint):
             await self._executor.run(call, job.algorithm, job.src, job.dst, ufunc, ready=job.ready)
         finally:
             self._running = None
-        if job.finish is not None:
-            job.finish()
 
     def _job_failed(self, job: _Job, exc: BaseException) -> None:
-        """A usage error found before anything was sent leaves the communicator usable; any
-        other failure leaves peers mid-protocol, so the communicator fails and they are told.
-        While a diagnosis runs (mismatch, timeout) the job waits for its verdict."""
-        self._fps.pop(job.call.seq, None)
-        if self._final is None and self._error is not None and not isinstance(exc, UsageError):
+        """A usage error (found before anything was sent: the call's checks, the algorithm's
+        resources) retires the call's sequence number (``_retire``: the communicator stays
+        usable if every rank rejected it, else fails everywhere); any other failure leaves peers
+        mid-protocol, so the communicator fails and they are told. While a diagnosis runs
+        (mismatch, timeout) the job waits for its verdict."""
+        call = job.call
+        self._fps.pop(call.seq, None)
+        if self._error is None:
+            if isinstance(exc, UsageError):  # a check (a few in the executor: resources) before any send
+                self._retire(job, exc)
+                return
+            self._fail(exc, tell=("failure", f"{call.op} #{call.seq} failed on {self._name(self.rank)}: "
+                                             f"{type(exc).__name__}: {exc}"))
+        elif self._final is None and not isinstance(exc, UsageError):
             self._held.append(job)
             return
-        if self._final is not None and exc is not self._final and not isinstance(exc, UsageError):
+        elif self._final is not None and exc is not self._final and not isinstance(exc, UsageError):
             exc = self._final  # the communicator's failure is what ended this job
-        if not isinstance(exc, UsageError) and self._final is None:
-            call = job.call
-            self._fail(exc, tell=("failure", f"{call.op} #{call.seq} failed on rank {self.rank}: {exc}"))
         if job.entry is not None and job.entry.state != "failed":
             self._mark(job.entry, exc)
         if not job.future.done():
@@ -439,7 +483,11 @@ class Comm(Health, BlockedCollectives, ObjectCollectives, PointToPoint):
                 "links": self._executor.link_stats(), "endpoint": self._executor.endpoint_stats()}
 
     def abort(self, reason: str = "aborted") -> None:
-        """Fail every pending and later collective here at once, and tell every peer."""
+        """Fail every pending and later collective here at once, and tell every peer.
+        (Safe from any thread: from another one it runs on the communicator's loop soon.)"""
+        if threading.get_ident() != self._thread and self._loop is not None:
+            self._loop.call_soon_threadsafe(self.abort, reason)
+            return
         if self._final is None:
             self._fail(CommClosedError(f"communicator (rank {self.rank}) {reason}"), tell=("abort", reason),
                        record=False)
@@ -448,6 +496,7 @@ class Comm(Health, BlockedCollectives, ObjectCollectives, PointToPoint):
         """Finish pending collectives, meet the other ranks, and release every resource."""
         if self._closed:
             return
+        self._check_loop()
         for child in list(self._children):  # its links ride on ours
             await child.close()
         try:

@@ -31,8 +31,9 @@ from __future__ import annotations
 import asyncio
 import random
 import weakref
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Iterable
+from typing import TYPE_CHECKING, Any
 
 import msgpack
 import numpy as np
@@ -184,7 +185,7 @@ async def shrink(comm: "Comm", exclude: Iterable[int] | None, timeout: float | N
     session.inbox.extend(hooks.early.pop(gen, ()))
     try:
         return await asyncio.wait_for(_run(session), limit)
-    except asyncio.TimeoutError:
+    except TimeoutError:
         session.drop_links()
         missing = [r for r in session.alive() if r not in session.joins and r != comm.rank]
         who = f"; no word from rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))}" if missing else ""
@@ -253,7 +254,7 @@ async def _run(s: _Session) -> "Comm":
         if not s.inbox:
             try:
                 await asyncio.wait_for(s.event.wait(), max(0.0, next_join - loop.time()))
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
 
 

@@ -34,6 +34,14 @@ class CommClosedError(UsageError):
     """The communicator was closed (or aborted) before the call."""
 
 
+class WrongLoopError(UsageError, RuntimeError):
+    """A communicator was called from an event loop (or a thread) other than its own.
+
+    A communicator belongs to the loop it was created on; other threads call in through
+    ``Comm.call_threadsafe`` or ``Comm.sync``.
+    """
+
+
 class ConfigError(UsageError):
     """An environment variable or init() argument is malformed or missing."""
 

@@ -25,11 +25,11 @@ from ._buffers import CclBuffers
 from ._config import Config
 from ._errors import ConfigError, ConnectError, UsageError
 from ._rendezvous import host_identity, local_address, register, serve_rounds
-from .algorithms._cost import CostModel
 from .algorithms import REGISTRY
 from .algorithms._executor import Progress
 from .algorithms._selection import Selector
 from .algorithms.base import Topology
+from .algorithms.cost import CostModel
 from .transports._auth import Credentials
 from .transports._zmq import Channel
 from .transports.base import Link

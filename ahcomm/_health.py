@@ -8,11 +8,12 @@ import itertools
 import threading
 import time
 from collections import deque
-from typing import TYPE_CHECKING, Any, Coroutine
+from collections.abc import Coroutine
+from typing import TYPE_CHECKING, Any
 
 import msgpack
 
-from ._errors import (AhcommError, CollectiveMismatchError, CollectiveTimeout, PeerFailure, TransportError)
+from ._errors import AhcommError, CollectiveMismatchError, CollectiveTimeout, PeerFailure, TransportError
 from ._flight import Entry, FlightRecorder, describe
 from .algorithms._executor import Executor
 from .algorithms.base import Call
@@ -62,6 +63,10 @@ class Health:
     _thread: int
     _loop: asyncio.AbstractEventLoop | None
 
+    if TYPE_CHECKING:  # Retirement (``_retire``)
+        def _on_retired(self, peer: int, msg: dict[str, Any]) -> None: ...
+        def _ran_retired(self, peer: int, seq: int) -> bool: ...
+
     # -- mismatch detection -----------------------------------------------------------------
     def _on_fingerprint(self, peer: int, seq: int, fp: int) -> None:
         """Every signal a peer posts: is its call ``seq`` ours? (the hot path: one dict lookup)"""
@@ -74,6 +79,8 @@ class Health:
     def _fingerprint_differs(self, peer: int, seq: int, fp: int) -> None:
         mine = self._fps.get(seq)
         if mine is None and seq < self._seq:  # finished here (or failed): the flight record knows it
+            if self._ran_retired(peer, seq):  # it was rejected here
+                return
             entry = self._flight.find(seq)
             if entry is None or not entry.call._fp:
                 return  # too old to check, or never prepared
@@ -247,6 +254,8 @@ class Health:
                 self._reply(peer, msg, self._status())
             elif kind == "fail":
                 self._told(peer, msg)
+            elif kind == "ret":
+                self._on_retired(peer, msg)
         except Exception:  # noqa: BLE001 - a malformed message must not break the transport's reader
             pass
 
@@ -260,7 +269,8 @@ class Health:
             "next": self._seq, "running": job.call.seq if job is not None else -1,
             "running_op": job.call.op if job is not None else None,
             "algorithm": job.algorithm.name if job is not None and job.algorithm is not None else None,
-            "started": self._started_seq, "done": self._done_seq, "queued": len(self._queue), "last_op": last.op if last is not None else None,
+            "started": self._started_seq, "done": self._done_seq, "queued": len(self._queue),
+            "last_op": last.op if last is not None else None,
             "failed": str(self._error) if self._error is not None else None,
         }
 
@@ -286,7 +296,8 @@ class Health:
         finally:
             for rid in ids:
                 self._requests.pop(rid, None)
-        out: dict[int, dict[str, Any] | None] = {p: None for p in (peers if peers is not None else self._executor.links)}
+        asked = peers if peers is not None else self._executor.links
+        out: dict[int, dict[str, Any] | None] = dict.fromkeys(asked)
         for peer, fut in waiting.items():
             if fut.done() and not fut.cancelled():
                 out[peer] = fut.result()
@@ -357,8 +368,9 @@ class Health:
         if tell is not None:
             kind, text = tell
             facts = {key: getattr(error, key) for key in ("op", "seq") if getattr(error, key, None) is not None}
-            if getattr(error, "missing", None):
-                facts["missing"] = list(getattr(error, "missing"))
+            missing = getattr(error, "missing", None)
+            if missing:
+                facts["missing"] = list(missing)
             payload = _pack({"t": "fail", "kind": kind, "msg": text[:16000], **facts, **(extra or {})})
             for peer in self._executor.links:
                 self._executor.send_control(peer, payload)

@@ -13,19 +13,21 @@ from __future__ import annotations
 
 import asyncio
 from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any
 
 import msgpack
 import numpy as np
 
 from ._dtypes import SUPPORTED_DTYPES
-from ._errors import CollectiveMismatchError, CollectiveTimeout, InvalidArgument, check_timeout
+from ._errors import CollectiveMismatchError, CollectiveTimeout, InvalidArgument, InvalidDtype, check_timeout
 
 if TYPE_CHECKING:
     from .transports.base import Link
 
 MAX_TAG = 0xFFFF
+_REFUSED = "!refused"  # a message's dtype field when it carries the sender's error instead of data
 _DTYPES = {d.name: d for d in SUPPORTED_DTYPES}
 
 
@@ -37,6 +39,11 @@ class P2POp:
     array: Any
     peer: int
     tag: int = 0
+
+
+def _retrieved(future: "asyncio.Future[Any]") -> None:
+    if not future.cancelled():
+        future.exception()
 
 
 class PointToPoint:
@@ -57,10 +64,18 @@ class PointToPoint:
         self._recv_count: defaultdict[tuple[int, int], int] = defaultdict(int)
 
     def send(self, x: Any, dst: int, *, tag: int = 0, timeout: float | None = None) -> "asyncio.Future[None]":
-        """Send ``x`` to rank ``dst``; done when ``dst`` holds the bytes (x may then be reused)."""
-        arr, _ = self._input(x, "send")
+        """Send ``x`` to rank ``dst``; done when ``dst`` holds the bytes (x may then be reused).
+
+        A bad ``x`` (which only this rank can check) raises here and is sent in place of the
+        message: the matching ``recv`` raises it too (naming this rank) rather than waiting.
+        Bad ``dst``, ``tag`` or ``timeout`` (checked alike by ``recv``) send nothing."""
         timeout = check_timeout(timeout, "send")
         link = self._peer_link(dst, "send", tag)
+        try:
+            arr, _ = self._input(x, "send")
+        except (InvalidArgument, InvalidDtype) as exc:
+            self._send_refusal(link, int(dst), tag, exc)
+            raise
         data = np.ascontiguousarray(arr)
         meta = msgpack.packb([data.dtype.name, list(data.shape)])
         key = (tag, self._sent_count[(dst, tag)])
@@ -113,6 +128,18 @@ class PointToPoint:
         return asyncio.ensure_future(self._gather_all(futures))
 
     # -- plumbing ----------------------------------------------------------------------------
+    def _send_refusal(self, link: "Link", dst: int, tag: int, exc: Exception) -> None:
+        """Send the error of a refused send as its message (the receiver raises it)."""
+        key = (tag, self._sent_count[(dst, tag)])
+        meta = msgpack.packb([_REFUSED, f"{type(exc).__name__}: {exc}"[:4000]])
+        try:
+            pending = link.send_message(key, meta, np.empty(0, np.uint8))
+        except Exception:  # noqa: BLE001 - the link is broken: the transport reports it
+            return
+        self._sent_count[(dst, tag)] += 1
+        if pending is not None:
+            asyncio.ensure_future(pending).add_done_callback(_retrieved)
+
     @staticmethod
     async def _gather_all(futures: list["asyncio.Future[Any]"]) -> list[Any]:
         return list(await asyncio.gather(*futures))
@@ -141,12 +168,18 @@ class PointToPoint:
                        shape: Sequence[int] | None, dtype: np.dtype | None,
                        timeout: float | None = None) -> np.ndarray:
         meta, payload = await self._bounded(link.message(key), what, timeout)
+        refused = ""
         try:
             dtype_name, sent_shape = msgpack.unpackb(meta)
+            if dtype_name == _REFUSED:  # the sender's error in place of the message
+                refused = f"{what}: rank {link.peer} could not send it: {sent_shape}"
             sent_dtype = _DTYPES[dtype_name]
             sent_shape = tuple(int(d) for d in sent_shape)
         except Exception as exc:  # noqa: BLE001 - a peer that breaks the protocol
-            raise CollectiveMismatchError(f"{what}: unreadable message metadata ({exc!r})") from None
+            if not refused:
+                raise CollectiveMismatchError(f"{what}: unreadable message metadata ({exc!r})") from None
+        if refused:
+            raise InvalidArgument(refused)
         data = np.frombuffer(payload, dtype=sent_dtype)
         if data.size != int(np.prod(sent_shape, dtype=np.int64)):
             raise CollectiveMismatchError(f"{what}: {data.size} elements arrived for shape {sent_shape}")

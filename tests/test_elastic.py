@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 import ahcomm
+
 from jobs import ROOT, job_env
 
 pytestmark = pytest.mark.multiprocess

@@ -24,8 +24,15 @@ def launch(n: int, *program: str, env: dict[str, str] | None = None, timeout: fl
 
 
 def shm_names() -> set[str]:
-    """ahcomm's shared-memory names on this host (each is unlinked once every peer mapped it)."""
-    return {p.name for p in Path("/dev/shm").glob("ahcomm-*")}
+    """ahcomm's shared-memory names on this host whose creator is gone (``ahcomm-<pid>-...``):
+    what a finished job left behind. Names of jobs still running (another test's, or another
+    user's on a shared machine) are not counted."""
+    left = set()
+    for path in Path("/dev/shm").glob("ahcomm-*"):
+        pid = path.name.split("-")[1]
+        if not (pid.isdigit() and Path(f"/proc/{pid}").exists()):
+            left.add(path.name)
+    return left
 
 
 def cma_works() -> bool:
@@ -146,7 +153,8 @@ def test_launcher_multi_host_arguments_are_checked(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if k != "AHCOMM_JOB_SECRET"}
     base = [sys.executable, "-m", "ahcomm.run"]
     no_secret = subprocess.run([*base, "--nnodes", "2", "--nproc-per-node", "1", "--master-addr", "10.0.0.1",
-                                "--master-port", "29500", "python", "-c", "pass"], env=env, capture_output=True, text=True)
+                                "--master-port", "29500", "python", "-c", "pass"],
+                               env=env, capture_output=True, text=True)
     assert no_secret.returncode != 0 and "AHCOMM_JOB_SECRET exported on every host" in no_secret.stderr
     no_master = subprocess.run([*base, "--nnodes", "2", "--nproc-per-node", "1", "python", "-c", "pass"],
                                env={**env, "AHCOMM_JOB_SECRET": "x" * 32}, capture_output=True, text=True)

@@ -9,7 +9,8 @@ import pytest
 
 import ahcomm
 from ahcomm import P2POp
-from conftest import run_inproc
+
+from support.inproc import run_inproc
 
 
 @pytest.mark.parametrize("size", [2, 3, 5])
@@ -108,10 +109,23 @@ async def test_object_collectives(size: int) -> None:
         assert g == ([p * "x" for p in range(size)] if r == 0 else None)
 
 
-async def test_object_that_msgpack_cannot_encode_is_refused_before_sending() -> None:
-    async def body(comm: ahcomm.Comm) -> int:
-        with pytest.raises(ahcomm.InvalidArgument, match="cannot be sent with msgpack"):
-            comm.all_gather_object(object())
-        return comm.seq
+async def test_object_that_msgpack_cannot_encode_fails_the_call_on_every_rank() -> None:
+    """Issue 16: an object only its rank can check (a set at broadcast_object's root) used to
+    raise there alone while the others waited inside the call and later saw a mismatch. The
+    rank sends its error instead: every rank raises it for that call and the job stays in step."""
+    async def body(comm: ahcomm.Comm) -> float:
+        with pytest.raises(ahcomm.InvalidArgument, match=r"broadcast_object: rank 0 could not send its object: "
+                                                         r"broadcast_object: the object cannot be sent with msgpack"):
+            await comm.broadcast_object({1, 2} if comm.rank == 0 else None, timeout=20)
+        with pytest.raises(ahcomm.InvalidArgument, match="all_gather_object: rank 1 could not send its object: "
+                                                         "all_gather_object: the object cannot be sent"):
+            await comm.all_gather_object(object() if comm.rank == 1 else comm.rank, timeout=20)
+        text = ("gather_object: rank 1 could not send its object: gather_object: the object cannot be sent"
+                if comm.rank in (0, 1) else r"gather_object: rank 1 could not send its object \(its error")
+        with pytest.raises(ahcomm.InvalidArgument, match=text):
+            await comm.gather_object({1} if comm.rank == 1 else comm.rank, timeout=20)
+        assert await comm.broadcast_object("fine", root=2, timeout=20) == "fine"
+        assert await comm.all_gather_object(comm.rank, timeout=20) == [0, 1, 2]
+        return float((await comm.all_reduce(np.ones(2), timeout=20))[0])
 
-    assert await run_inproc(2, body) == [0, 0]
+    assert await run_inproc(3, body) == [3.0] * 3

@@ -11,7 +11,8 @@ the others (broadcast, empty calls) the executor tells each peer where it stands
 from __future__ import annotations
 
 import asyncio
-from typing import Any, Awaitable, Callable
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 import numpy as np
 
@@ -19,6 +20,7 @@ from .._buffers import CclBuffers
 from .._stream import Stream
 from .._trace import Tracer
 from ..transports.base import AbortHook, ControlHook, FingerprintHook, Link
+from ..transports.mailbox import Mailbox
 from .base import ALIGN, WHOLE, Algorithm, Call, Context, Resources, Topology
 
 RESOURCE_CACHE = 256  # entries of the per-communicator resources cache
@@ -108,6 +110,7 @@ class Executor:
         self._ctx: Context | None = None  # the run in progress (abort fails its local notifies)
         self._scratch = np.empty(0, np.uint8)
         self._resources: dict[tuple[Any, ...], Resources] = {}
+        self.mailbox: Mailbox | None = None  # the host's mailboxes (set at init where ``topo.mailbox``)
 
     def scratch(self, nbytes: int) -> np.ndarray:
         """The reusable scratch region, at least ``nbytes`` long (pre-faulted when it grows)."""
@@ -164,7 +167,7 @@ class Executor:
             s, d = self._views(call, src, dst, a, b, inplace)
             ctx = Context(call=call, topo=self.topo, links=self.links, src=s, dst=d,
                           ccl_in=ccl_in, ccl_out=ccl_out, half_offset=parity, main=self.main, subs=subs,
-                          ufunc=ufunc, final=b == call.count, scratch=self.scratch)
+                          ufunc=ufunc, final=b == call.count, scratch=self.scratch, mailbox=self.mailbox)
             self._ctx = ctx
             try:
                 await algorithm.orchestrate(ctx)
@@ -172,10 +175,10 @@ class Executor:
                 self._ctx = None
         for link in self._unmapped:
             await link.flush()
-        self._report(call, communicated=True)
+        self._report(call, communicated=True, exchanged=algorithm.exchanges)
 
-    def _report(self, call: Call, communicated: bool) -> None:
-        if communicated and call.op in ALL_DEPENDENT:
+    def _report(self, call: Call, communicated: bool, exchanged: bool = False) -> None:
+        if communicated and (exchanged or call.op in ALL_DEPENDENT):
             self.progress.all_started(call.seq)
         else:
             for link in self.links.values():
@@ -207,11 +210,6 @@ class Executor:
         if self.tracer is not None:
             self.tracer.write()
         self._halves = []  # drop our views of the CCL buffers so they can be unmapped
-
-    def on_peer_abort(self, handler: Callable[[int, str], None]) -> None:
-        """Call ``handler(peer, reason)`` when a peer aborts."""
-        for link in self.links.values():
-            link.on_abort = handler
 
     def set_hooks(self, *, on_abort: AbortHook, on_fingerprint: FingerprintHook, on_control: ControlHook,
                   on_lost: AbortHook, on_broken: AbortHook | None = None) -> None:

@@ -13,8 +13,10 @@ import math
 
 from .._errors import ConfigError, InvalidArgument
 from . import hierarchical
-from ._cost import CostModel
 from .base import Algorithm, Call, Registry, Topology
+from .cost import CostModel
+
+PICKS = 1024  # kinds of call whose pick is remembered
 
 _OP_ALIASES = {op.replace("_", ""): op for op in (
     "all_reduce", "all_gather", "reduce_scatter", "broadcast", "barrier", "reduce", "gather", "scatter",
@@ -56,6 +58,9 @@ class Selector:
         self.registry = registry
         self.env = parse_algo(algo_env)
         self.model = model or CostModel()
+        # _default's picks: the cost model is evaluated once per kind of call, not per call
+        self._picks: dict[tuple[object, ...], Algorithm] = {}
+        self._picks_model = self.model
 
     def costs(self, call: Call, topo: Topology) -> dict[str, float | None]:
         """Estimated seconds of every algorithm that can run ``call`` (None: no estimate)."""
@@ -99,7 +104,22 @@ class Selector:
         return None
 
     def _default(self, call: Call, topo: Topology) -> Algorithm:
-        """The cheapest candidate by the cost model; without estimates, mesh, ring, then the first."""
+        """The cheapest candidate by the cost model; without estimates, mesh, ring, then the first
+        (remembered per kind of call: a registry that changed, or another model, starts afresh)."""
+        key = (call.op, call.dtype, call.count, call.redop, call.root, call.counts, call.recv_counts, topo,
+               len(self.registry.algorithms))
+        if self._picks_model is not self.model:
+            self._picks_model = self.model
+            self._picks.clear()
+        pick = self._picks.get(key)
+        if pick is not None and self.registry.algorithms.get(pick.name) is pick:
+            return pick
+        if len(self._picks) >= PICKS:
+            self._picks.clear()
+        pick = self._picks[key] = self._cheapest(call, topo)
+        return pick
+
+    def _cheapest(self, call: Call, topo: Topology) -> Algorithm:
         best: Algorithm | None = None
         best_cost = math.inf
         for algorithm in self.registry.algorithms.values():

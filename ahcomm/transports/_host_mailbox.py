@@ -1,0 +1,126 @@
+"""The mailboxes of the ranks of one host: a shared-memory box and a wake-up FIFO per rank.
+
+A rank creates its box (``SharedRegion``) and a FIFO in /dev/shm before the rendezvous and
+opens the FIFO for reading and writing (so it is never at end of file, and peers can open it
+for writing at once); the names travel in the rendezvous table. Once every rank is known to
+be on this host, each maps every peer's box and opens every peer's FIFO for writing (non
+blocking). A wake-up is one byte written to the peer's FIFO; the owner reads its FIFO on its
+event loop (``loop.add_reader``) and hands the wake-up to the waiting collective. Names are
+unlinked once every peer holds them; a job that dies before leaves names that
+``reclaim_stale`` removes (they carry the creator's pid).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import secrets
+from typing import Any
+
+import numpy as np
+
+from .._buffers import SHM_DIR, SHM_PREFIX, SharedRegion
+from .mailbox import Mailbox, Waker, box_bytes
+
+
+def _waker(fd: int) -> Waker:
+    def wake() -> None:
+        try:
+            os.write(fd, b"\x01")
+        except OSError:  # full (a wake-up is pending anyway) or the peer is gone (its link reports it)
+            pass
+    return wake
+
+
+class HostMailbox:
+    """This rank's box and FIFO, and (after ``attach``) its ``Mailbox`` over every rank's."""
+
+    def __init__(self, rank: int, capacity: int) -> None:
+        self.rank = rank
+        self.capacity = capacity
+        self.region = SharedRegion.create(box_bytes(capacity), f"r{rank}-mbox")
+        self.fifo = os.path.join(SHM_DIR, f"{SHM_PREFIX}{os.getpid()}-r{rank}-wake-{secrets.token_hex(4)}")
+        self.fd = -1
+        self._peers: list[SharedRegion] = []
+        self._wfds: list[int] = []
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.mailbox: Mailbox | None = None
+        try:
+            os.mkfifo(self.fifo, 0o600)
+            self.fd = os.open(self.fifo, os.O_RDWR | os.O_NONBLOCK)
+        except BaseException:
+            self.close()
+            raise
+
+    def describe(self) -> dict[str, Any]:
+        return {"box": self.region.name, "wake": self.fifo, "capacity": self.capacity}
+
+    @staticmethod
+    def usable(table: list[dict[str, Any]]) -> bool:
+        """Whether every rank of the rendezvous table offered a mailbox of one capacity on one host
+        (decided from the table alone, so every rank decides the same)."""
+        boxes = [e.get("mailbox") for e in table]
+        return (len({e["host"] for e in table}) == 1 and all(isinstance(b, dict) for b in boxes)
+                and len({b["capacity"] for b in boxes if isinstance(b, dict)}) == 1)
+
+    def attach(self, table: list[dict[str, Any]]) -> Mailbox:
+        """Map every peer's box and open its FIFO (``table`` in rank order, as the rendezvous gives)."""
+        arrays: list[np.ndarray] = []
+        wakers: list[Waker | None] = []
+        for entry in table:
+            peer, desc = int(entry["rank"]), entry["mailbox"]
+            if peer == self.rank:
+                arrays.append(self.region.array)
+                wakers.append(None)
+                continue
+            region = SharedRegion.attach(str(desc["box"]), box_bytes(self.capacity))
+            self._peers.append(region)
+            fd = os.open(str(desc["wake"]), os.O_WRONLY | os.O_NONBLOCK)
+            self._wfds.append(fd)
+            arrays.append(region.array)
+            wakers.append(_waker(fd))
+        self.mailbox = Mailbox(self.rank, arrays, wakers, self.capacity)
+        return self.mailbox
+
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        loop.add_reader(self.fd, self._readable)
+
+    def _readable(self) -> None:
+        try:
+            os.read(self.fd, 4096)
+        except OSError:
+            pass
+        if self.mailbox is not None:
+            self.mailbox.woken()
+
+    def unlink(self) -> None:
+        """Remove the names (every peer holds its mapping and descriptor)."""
+        self.region.unlink()
+        try:
+            os.unlink(self.fifo)
+        except OSError:
+            pass
+
+    def close(self) -> None:
+        if self.mailbox is not None:
+            self.mailbox.closed = True
+            self.mailbox.on_wake = None
+        if self._loop is not None and self.fd >= 0:
+            try:
+                self._loop.remove_reader(self.fd)
+            except (ValueError, RuntimeError):
+                pass
+            self._loop = None
+        for fd in (*self._wfds, self.fd):
+            if fd >= 0:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+        self._wfds, self.fd = [], -1
+        self.unlink()
+        self.mailbox = None  # its views go with it, before the mappings are closed
+        for region in (*self._peers, self.region):
+            region.close()
+        self._peers = []

@@ -1,0 +1,236 @@
+"""Mailboxes: one-shot exchange of small payloads between the ranks of one host.
+
+Every rank owns a box that every rank of the host maps (shared memory, or plain memory in
+one process). A box holds a header (the asleep word) and ``SLOTS`` slots; a slot is a
+64-byte header (a flag, the call's sequence number and fingerprint, the payload's size)
+and up to ``capacity`` bytes of payload. Ranks publish in step (every one-shot run,
+or slice of one, publishes once on every rank), so the count of publications so far, the
+*tick*, is the same on every rank: publication ``tick`` goes to slot ``tick & 1``. A rank
+writes the payload, then the call's sequence number and fingerprint, then the flag
+``tick + 1`` (NCCL's LL idea: the flag only grows, so a slot is never reset; a reader that
+sees the flag sees the payload, as x86 keeps stores, and loads, in program order). Peers that
+wait are woken through a descriptor their event loop watches (a FIFO read by
+``loop.add_reader``, or a direct call in one process): no thread hop, no ZeroMQ message.
+
+A slot is rewritten by publication ``tick + 2`` only after its writer has seen every peer's
+publication ``tick + 1``, which each peer made after it finished reading publication
+``tick``: no reader is still at it.
+
+A waiter checks the flags it needs; only when one is missing does it mark itself asleep (a
+word in its box's header), fence, check again and wait for ``on_wake``. A publisher sets its
+flag, fences, and looks at every other rank's flag of this publication: if one is missing,
+that rank publishes later and wakes the sleepers itself; else (it is the last) it wakes the
+ranks marked asleep. With a fence between each store and the loads after it, the last
+publisher sees every flag, and a sleeper's second look or that publisher sees the other's
+store (Dekker's argument; the fence is a locked instruction): no wake-up is lost, each
+sleeper gets at most one per publication (not one per peer), and a rank that is not
+waiting gets none (no syscall, no event-loop callback). Wake-ups are level-triggered (a FIFO
+byte stays until it is read).
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import threading
+from collections.abc import Callable
+from typing import Literal
+
+import numpy as np
+
+HEADER = 64  # bytes of a slot's header (a cache line): int64 flag and seq, uint32 fingerprint and size
+SLOTS = 2  # one slot per sequence-number parity
+DEFAULT_CAPACITY = 256 * 1024  # payload bytes of a slot (AHCOMM_MAILBOX_BYTES; 0 turns mailboxes off)
+SPIN_US = 30.0  # microseconds a waiter may poll before it sleeps (AHCOMM_SPIN_US; only ranks <= cores)
+Waker = Callable[[], None]
+
+
+def capacity_from_env() -> int:
+    """Payload bytes per slot: AHCOMM_MAILBOX_BYTES (0: no mailboxes), rounded to 64 bytes.
+
+    Mailboxes rely on the processor keeping stores and loads in order (x86's TSO); other
+    architectures get none (the other algorithms run instead)."""
+    if platform.machine().lower() not in ("x86_64", "amd64", "i386", "i686"):
+        return 0
+    raw = os.environ.get("AHCOMM_MAILBOX_BYTES", "").strip()
+    try:
+        value = int(raw) if raw else DEFAULT_CAPACITY
+    except ValueError:
+        from .._errors import ConfigError
+        raise ConfigError(f"AHCOMM_MAILBOX_BYTES must be a number of bytes, got {raw!r}") from None
+    return max(0, value) // 64 * 64
+
+
+def box_bytes(capacity: int) -> int:
+    """Bytes of one rank's box for slots of ``capacity`` payload bytes (the box's own header,
+    then the slots)."""
+    return HEADER + SLOTS * (HEADER + capacity)
+
+
+_FENCE = threading.Lock()
+
+
+def fence() -> None:
+    """A full memory barrier: taking and releasing a lock is a locked read-modify-write (glibc's
+    semaphore or mutex), which x86 never reorders a load across."""
+    _FENCE.acquire()
+    _FENCE.release()
+
+
+def spin_budget(ranks: int) -> float:
+    """Seconds a waiter may spin before it sleeps: AHCOMM_SPIN_US (default ``SPIN_US``), and 0
+    where the host's ranks outnumber this process's cores (a spinning rank would keep a peer it
+    waits for off its core)."""
+    raw = os.environ.get("AHCOMM_SPIN_US", "").strip()
+    try:
+        us = float(raw) if raw else SPIN_US
+    except ValueError:
+        from .._errors import ConfigError
+        raise ConfigError(f"AHCOMM_SPIN_US must be a number of microseconds, got {raw!r}") from None
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    return max(0.0, us) * 1e-6 if ranks <= cores else 0.0
+
+
+class Spin:
+    """A bounded, adaptive spin: up to ``budget`` seconds of polling before sleeping; after
+    ``GIVE_UP`` spins in a row that found nothing, none for the next ``REST`` waits (the
+    peers are slower than the budget: spinning would only burn CPU), then a new try."""
+
+    GIVE_UP = 8
+    REST = 256
+
+    __slots__ = ("budget", "hits", "misses", "rest", "spins")
+
+    def __init__(self, budget: float) -> None:
+        self.budget = budget
+        self.misses = 0  # spins in a row that found nothing
+        self.rest = 0  # waits left without spinning
+        self.hits = 0  # spins that found every peer (counters, for the benchmark's report)
+        self.spins = 0
+
+    def allowed(self) -> float:
+        """The seconds this wait may spin (0: sleep at once)."""
+        if self.budget <= 0.0:
+            return 0.0
+        if self.rest:
+            self.rest -= 1
+            return 0.0
+        return self.budget
+
+    def result(self, found: bool) -> None:
+        self.spins += 1
+        if found:
+            self.hits += 1
+            self.misses = 0
+        else:
+            self.misses += 1
+            if self.misses >= self.GIVE_UP:
+                self.misses, self.rest = 0, self.REST
+
+
+def _words(region: np.ndarray, fmt: Literal["q", "I"]) -> "memoryview[int]":
+    """``region`` (uint8) as a memoryview of ``fmt`` items (``q``: int64, ``I``: uint32)."""
+    return region.data.cast("B").cast(fmt)
+
+
+class Mailbox:
+    """This rank's view of the host's boxes: ``boxes[r]`` is rank r's (uint8, mapped here),
+    ``wakers[r]`` wakes rank r (None for this rank)."""
+
+    def __init__(self, rank: int, boxes: list[np.ndarray], wakers: list[Waker | None], capacity: int) -> None:
+        self.rank = rank
+        self.size = len(boxes)
+        self.capacity = capacity
+        self.tick = 0  # publications so far (the same count on every rank: they publish in step)
+        stride = HEADER + capacity
+        # Header words as memoryviews: an item is a plain aligned load or store (a numpy scalar
+        # access costs ten times more); the payloads stay numpy.
+        self._asleep = [_words(box[:8], "q") for box in boxes]  # 1: its owner waits for a wake-up
+        boxes = [box[HEADER:] for box in boxes]
+        self._head = [[_words(box[s * stride:s * stride + 16], "q") for s in range(SLOTS)] for box in boxes]
+        self._meta = [[_words(box[s * stride + 16:s * stride + 24], "I") for s in range(SLOTS)] for box in boxes]
+        self._data = [[box[s * stride + HEADER:(s + 1) * stride] for s in range(SLOTS)] for box in boxes]
+        self._peers = [(self._asleep[r], w) for r, w in enumerate(wakers) if r != rank and w is not None]
+        self._others = [self._head[r] for r in range(self.size) if r != rank]
+        self.wakes = 0  # wake-ups sent (the others found their peer awake)
+        self.rechecks = 0  # looks a sleeping waiter took without a wake-up (oneshot's safety net)
+        self.spin = Spin(spin_budget(self.size))
+        self.on_wake: Waker | None = None  # set by whoever waits; called when a peer published
+        self.closed = False
+
+    def publish(self, seq: int, fingerprint: int, data: np.ndarray | None = None) -> tuple[int, np.ndarray]:
+        """Write ``data`` (any contiguous array, or None: a header only) for collective ``seq``
+        into this rank's next slot, set its flag and wake every peer; returns (the publication's
+        tick, the slot's payload as written)."""
+        tick = self.tick
+        self.tick = tick + 1
+        slot = tick & 1
+        payload = self._data[self.rank][slot]
+        nbytes = 0
+        if data is not None:
+            nbytes = data.nbytes
+            if nbytes > self.capacity:
+                raise ValueError(f"mailbox: {nbytes} bytes do not fit a slot of {self.capacity}")
+            if nbytes:
+                np.copyto(payload[:nbytes].view(data.dtype).reshape(data.shape), data)
+        meta = self._meta[self.rank][slot]
+        meta[0] = fingerprint
+        meta[1] = nbytes
+        head = self._head[self.rank][slot]
+        head[1] = seq
+        head[0] = tick + 1  # last: the flag
+        fence()  # the flag, before we look at the others' (``sleep`` does the mirror image)
+        flag = tick + 1
+        for heads in self._others:
+            if heads[slot][0] != flag:
+                return tick, payload[:nbytes]  # a later publisher wakes the sleepers
+        for asleep, wake in self._peers:
+            if asleep[0]:
+                self.wakes += 1
+                wake()
+        return tick, payload[:nbytes]
+
+    def sleep(self) -> None:
+        """About to wait for a wake-up: from now on publishers wake this rank. The caller
+        checks the flags once more after this (Dekker: a publisher either sees this rank
+        asleep, or this rank sees its flag)."""
+        self._asleep[self.rank][0] = 1
+        fence()
+
+    def awake(self) -> None:
+        """Done waiting: publishers need not wake this rank."""
+        self._asleep[self.rank][0] = 0
+
+    def arrived(self, owner: int, tick: int) -> tuple[int, int] | None:
+        """(seq, fingerprint) of ``owner``'s publication ``tick``; None while it has not made it."""
+        slot = tick & 1
+        head = self._head[owner][slot]
+        if head[0] != tick + 1:
+            return None
+        return head[1], self._meta[owner][slot][0]
+
+    def payload(self, owner: int, tick: int) -> np.ndarray:
+        """The bytes of ``owner``'s publication ``tick`` (uint8; read only after ``arrived``)."""
+        slot = tick & 1
+        return self._data[owner][slot][:self._meta[owner][slot][1]]
+
+    def woken(self) -> None:
+        """Called by the wake-up descriptor's reader (or a peer in this process)."""
+        if self.on_wake is not None:
+            self.on_wake()
+
+
+class InprocMailboxes:
+    """Mailboxes of ranks that share one event loop (tests): wakes are direct calls."""
+
+    def __init__(self, size: int, capacity: int = DEFAULT_CAPACITY) -> None:
+        boxes = [np.zeros(box_bytes(capacity), np.uint8) for _ in range(size)]
+        self.boxes: list[Mailbox] = []
+        wakers: list[Waker | None] = [lambda r=r: self.boxes[r].woken() for r in range(size)]  # type: ignore[misc]
+        self.boxes = [Mailbox(r, boxes, [None if p == r else wakers[p] for p in range(size)], capacity)
+                      for r in range(size)]
+        for box in self.boxes:
+            box.spin = Spin(0.0)  # one event loop: a spinning rank would keep its peers from running

@@ -1,0 +1,254 @@
+"""oneshot (mailboxes, one host) against numpy, in process, world sizes 1..9.
+
+Every op it claims (all_reduce with every reduction, reduce_scatter, all_gather, broadcast
+from every kind of root, barrier), dtypes from bool to bfloat16, counts 0, 1, odd and up to
+a slot's capacity, in place and not; results bit-identical on every rank; slots reused by
+back-to-back calls; selection (small calls on one host, not beyond a slot, not with
+AHCOMM_MAILBOX_BYTES=0); mismatch and abort while a rank waits in its mailbox.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import ahcomm
+from ahcomm.transports import mailbox
+
+from support.inproc import run_inproc
+from support.numerics import assert_close, reduce_ref
+
+SIZES = [1, 2, 3, 4, 5, 6, 7, 8, 9]
+DTYPES = [np.float32, np.float64, np.int32, np.int8, np.float16, np.bool_, np.uint64, ml_dtypes.bfloat16]
+COUNTS = [0, 1, 37, 1001]
+
+
+def values(rng: np.random.Generator, count: int, dtype: Any, op: str = "sum") -> np.ndarray:
+    dt = np.dtype(dtype)
+    if dt == np.bool_:
+        return rng.integers(0, 2, count).astype(bool)
+    lo, hi = (1, 3) if op == "prod" else ((-8, 9) if dt.kind in "fV" or dt == ml_dtypes.bfloat16 else
+                                          (0 if dt.kind == "u" else -3, 4))
+    return rng.integers(lo, hi, count).astype(dt)  # exact in every dtype, any reduction order
+
+
+def redops(dtype: Any) -> list[str]:
+    floating = np.dtype(dtype).kind == "f" or np.dtype(dtype) == ml_dtypes.bfloat16
+    return ["sum", "prod", "max", "min"] + (["avg"] if floating else [])
+
+
+def cases(rng: np.random.Generator, size: int) -> list[tuple[Any, ...]]:
+    out: list[tuple[Any, ...]] = []
+    for i, dtype in enumerate(DTYPES):
+        count = COUNTS[i % len(COUNTS)]
+        inplace = i % 2 == 1
+        for redop in redops(dtype):
+            out.append(("all_reduce", [values(rng, count, dtype, redop) for _ in range(size)], redop, 0, inplace))
+        out.append(("reduce_scatter", [values(rng, count * size, dtype) for _ in range(size)], "sum", 0, False))
+        out.append(("reduce_scatter", [values(rng, count * size, dtype, "max") for _ in range(size)], "max", 0, False))
+        out.append(("all_gather", [values(rng, count, dtype) for _ in range(size)], "", 0, False))
+        out.append(("broadcast", [values(rng, count, dtype) for _ in range(size)], "", (2 * i + 1) % size, inplace))
+        out.append(("barrier", [np.empty(0)] * size, "", 0, False))
+    return out
+
+
+async def issue(comm: ahcomm.Comm, case: tuple[Any, ...]) -> Any:
+    op, xs, redop, root, inplace = case
+    x = xs[comm.rank].copy() if inplace else xs[comm.rank]
+    if op == "all_reduce":
+        got = await comm.all_reduce(x, redop, out=x if inplace else None, algorithm="oneshot")
+        assert got is x or not inplace
+        return got
+    if op == "reduce_scatter":
+        return await comm.reduce_scatter(x, redop, algorithm="oneshot")
+    if op == "all_gather":
+        return await comm.all_gather(x, algorithm="oneshot")
+    if op == "broadcast":
+        return await comm.broadcast(x, root, out=x if inplace else None, algorithm="oneshot")
+    return await comm.barrier()
+
+
+def want(case: tuple[Any, ...], rank: int, size: int) -> Any:
+    op, xs, redop, root, _ = case
+    if op == "all_reduce":
+        return reduce_ref(xs, redop)
+    if op == "reduce_scatter":
+        block = xs[0].size // size
+        return reduce_ref(xs, redop)[rank * block:(rank + 1) * block]
+    if op == "all_gather":
+        return np.concatenate(xs)
+    if op == "broadcast":
+        return xs[root]
+    return None
+
+
+@pytest.mark.parametrize("size", SIZES)
+async def test_matrix(size: int, rng: np.random.Generator) -> None:
+    todo = cases(rng, size)
+
+    async def body(comm: ahcomm.Comm) -> list[Any]:
+        out = []
+        for case in todo:
+            before = case[1][comm.rank].copy()
+            out.append(await issue(comm, case))
+            if not case[4]:
+                assert np.array_equal(case[1][comm.rank], before)  # inputs are never modified
+        return out
+
+    results = await run_inproc(size, body)
+    for k, case in enumerate(todo):
+        for rank in range(size):
+            expected = want(case, rank, size)
+            if expected is None:
+                assert results[rank][k] is None
+            else:
+                assert_close(results[rank][k].reshape(-1), expected)
+        if case[0] == "all_reduce":  # one reduction order everywhere: the same bits on every rank
+            assert all(results[0][k].tobytes() == results[r][k].tobytes() for r in range(size))
+
+
+@pytest.mark.parametrize("size", [2, 3, 5])
+async def test_matrix_in_slices(size: int, rng: np.random.Generator, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Slots of 192 bytes: the 37- and 1001-element calls run in many slices (publications),
+    one slot's reader still at slice k while its writer is at slice k + 1."""
+    monkeypatch.setenv("AHCOMM_MAILBOX_BYTES", "192")
+    await test_matrix(size, rng)
+
+
+@pytest.mark.parametrize("size", [2, 3, 7])
+async def test_rank_order_bit_identical(size: int, rng: np.random.Generator) -> None:
+    """Random floats: rank 0 + rank 1 + ... in that order, bit for bit, on every rank."""
+    xs = [rng.standard_normal(513).astype(np.float32) for _ in range(size)]
+    results = await run_inproc(size, lambda c: c.all_reduce(xs[c.rank], algorithm="oneshot"))
+    for got in results:
+        np.testing.assert_array_equal(got, reduce_ref(xs, "sum"))
+
+
+async def test_back_to_back_calls_reuse_slots(rng: np.random.Generator) -> None:
+    """Forty calls issued before any completes, oneshot and ring alternating: each slot parity is
+    rewritten only once every peer has read it."""
+    size = 4
+    xs = [[values(rng, 1 + k % 5, np.int64) for _ in range(size)] for k in range(40)]
+
+    async def body(comm: ahcomm.Comm) -> list[Any]:
+        futs = [comm.all_reduce(xs[k][comm.rank], algorithm="oneshot" if k % 3 else "ring") for k in range(40)]
+        return list(await asyncio.gather(*futs))
+
+    results = await run_inproc(size, body)
+    for rank in range(size):
+        for k in range(40):
+            np.testing.assert_array_equal(results[rank][k], sum(xs[k]))
+
+
+async def test_selected_for_small_calls_on_one_host(monkeypatch: pytest.MonkeyPatch) -> None:
+    comms = await ahcomm.init_inprocess(4)
+    try:
+        comm = comms[0]
+        cap = comm.topology.mailbox
+        assert cap == mailbox.DEFAULT_CAPACITY
+        for op in ("all_reduce", "broadcast", "all_gather"):
+            assert comm.explain(op, 2, np.float32)[0] == "oneshot"
+            assert comm.explain(op, 8192, np.float32)[0] == "oneshot"  # 32 KiB
+            assert comm.explain(op, 1 << 24, np.float32)[0] != "oneshot"  # 64 MiB: a slice per 256 KiB
+        assert comm.explain("reduce_scatter", 2, np.float32)[0] == "oneshot"
+    finally:
+        await asyncio.gather(*(c.close() for c in comms))
+    monkeypatch.setenv("AHCOMM_MAILBOX_BYTES", "0")
+    comms = await ahcomm.init_inprocess(2)
+    try:
+        assert comms[0].topology.mailbox == 0
+        assert "oneshot" not in comms[0].explain("all_reduce", 2, np.float32)[1]
+        with pytest.raises(ahcomm.InvalidArgument, match="oneshot"):
+            comms[0].all_reduce(np.ones(2, np.float32), algorithm="oneshot")
+    finally:
+        await asyncio.gather(*(c.close() for c in comms))
+
+
+async def test_mismatch_in_the_mailbox_fails_every_rank() -> None:
+    """Both ranks run oneshot at seq 0, one an all_reduce, the other an all_gather: the
+    fingerprints in the slots differ, and both ranks raise naming the mismatch."""
+    comms = await ahcomm.init_inprocess(2)
+    try:
+        futs = [comms[0].all_reduce(np.ones(4, np.float32), algorithm="oneshot"),
+                comms[1].all_gather(np.ones(4, np.float32), algorithm="oneshot")]
+        results = await asyncio.wait_for(asyncio.gather(*futs, return_exceptions=True), 20)
+        assert all(isinstance(r, ahcomm.CollectiveMismatchError) for r in results), results
+        assert all("#0 mismatch" in str(r) for r in results), results
+    finally:
+        await asyncio.gather(*(c.close() for c in comms))
+
+
+async def test_abort_while_waiting_in_the_mailbox() -> None:
+    comms = await ahcomm.init_inprocess(3)
+    try:
+        fut = comms[0].all_reduce(np.ones(4, np.float32), algorithm="oneshot")
+        await asyncio.sleep(0.05)
+        assert not fut.done()  # rank 0 waits for its peers' slots
+        comms[2].abort("stop")
+        with pytest.raises(ahcomm.PeerFailure, match=r"rank 2 aborted"):
+            await asyncio.wait_for(fut, 5)
+    finally:
+        await asyncio.gather(*(c.close() for c in comms), return_exceptions=True)
+
+
+def test_only_the_last_publisher_wakes_and_only_sleepers() -> None:
+    """Three ranks, rank 0 published and sleeps: rank 1's publication wakes nobody (rank 2's
+    flag is still down, rank 2 will), rank 2's wakes rank 0 once and never rank 1 (awake)."""
+    boxes = mailbox.InprocMailboxes(3, 64).boxes
+    woken = [0, 0, 0]
+    for r, box in enumerate(boxes):
+        box.on_wake = lambda r=r: woken.__setitem__(r, woken[r] + 1)
+    boxes[0].publish(0, 7, np.ones(2, np.float32))
+    boxes[0].sleep()
+    boxes[1].publish(0, 7, np.ones(2, np.float32))
+    assert woken == [0, 0, 0]
+    boxes[2].publish(0, 7, np.ones(2, np.float32))
+    assert woken == [1, 0, 0]
+    assert [boxes[0].arrived(p, 0) for p in range(3)] == [(0, 7)] * 3
+    boxes[0].awake()
+    for box in boxes:  # the next tick: nobody sleeps, nobody is woken
+        box.publish(1, 7)
+    assert woken == [1, 0, 0]
+    assert boxes[1].arrived(0, 1) == (1, 7) and boxes[1].arrived(0, 0) == (0, 7)  # the other slot
+
+
+def test_spin_only_where_ranks_do_not_outnumber_cores(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(mailbox.os, "sched_getaffinity", lambda pid: {0, 1})
+    monkeypatch.delenv("AHCOMM_SPIN_US", raising=False)
+    assert mailbox.spin_budget(2) == pytest.approx(mailbox.SPIN_US * 1e-6)
+    assert mailbox.spin_budget(3) == 0.0 and mailbox.spin_budget(8) == 0.0
+    monkeypatch.setenv("AHCOMM_SPIN_US", "0")
+    assert mailbox.spin_budget(2) == 0.0
+    spin = mailbox.Spin(30e-6)
+    for _ in range(mailbox.Spin.GIVE_UP):  # fruitless spins in a row: it rests
+        assert spin.allowed() > 0
+        spin.result(False)
+    assert all(spin.allowed() == 0.0 for _ in range(mailbox.Spin.REST))
+    assert spin.allowed() > 0
+
+
+async def test_a_lost_wake_up_costs_a_recheck_not_a_hang() -> None:
+    """Every wake-up dropped: a sleeping rank still finds its peers' flags (oneshot.RECHECK)."""
+    from ahcomm.algorithms import oneshot
+
+    comms = await ahcomm.init_inprocess(3)
+    try:
+        boxes = [c._executor.mailbox for c in comms]
+        for box in boxes:
+            assert box is not None
+            box._peers = [(asleep, lambda: None) for asleep, _ in box._peers]  # type: ignore[misc]
+
+        async def late(comm: ahcomm.Comm) -> Any:
+            await asyncio.sleep(0.02 * comm.rank)  # rank 0 sleeps in its mailbox first
+            return await comm.all_reduce(np.full(3, comm.rank + 1, np.int32), algorithm="oneshot")
+
+        results = await asyncio.wait_for(asyncio.gather(*(late(c) for c in comms)), 10 * oneshot.RECHECK + 5)
+        for got in results:
+            np.testing.assert_array_equal(got, [6, 6, 6])
+        assert sum(box.rechecks for box in boxes if box is not None) >= 1
+    finally:
+        await asyncio.gather(*(c.close() for c in comms))
