@@ -40,6 +40,10 @@ async def init(*, rank: int | None = None, world_size: int | None = None, master
                 raise ConfigError("init(rank_table=...) needs rank=: which rank of the table this process is")
             config = config_from_rank_table(str(rank_table), rank, base, master_port)
             world_size = world_size or config.world_size
+    from . import _grow
+    if config is None and rank is None and world_size is None and _grow.restart_count() > 0:
+        _default = await _grow.rejoin()  # a replacement started by ahcomm-run --on-failure restart
+        return _default
     _default = await create(config, rank=rank, world_size=world_size, master_addr=master_addr,
                             master_port=master_port)
     return _default

@@ -190,15 +190,16 @@ class Region:
 class LocalRegion(Region):
     """Process-private memory, pre-faulted so the hot path never takes page faults."""
 
-    def __init__(self, nbytes: int) -> None:
+    def __init__(self, nbytes: int, *, prefault: bool = True) -> None:
         self.array = np.zeros(nbytes, dtype=np.uint8)
-        self.array.fill(0)
+        if prefault:
+            self.array.fill(0)
 
 
 class SharedRegion(Region):
     """A mapping of /dev/shm/<name>; created by its owner, attached by peers."""
 
-    def __init__(self, name: str, nbytes: int, *, create: bool, local_ranks: int = 1) -> None:
+    def __init__(self, name: str, nbytes: int, *, create: bool, local_ranks: int = 1, prefault: bool = True) -> None:
         self.name = name
         self._path = os.path.join(SHM_DIR, name)
         flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
@@ -218,7 +219,7 @@ class SharedRegion(Region):
                 self._reserve(fd, nbytes, local_ranks)
             elif os.fstat(fd).st_size < nbytes:
                 raise ConnectError(f"shared region {self._path} is smaller than {nbytes} bytes")
-            populate = getattr(mmap, "MAP_POPULATE", 0)
+            populate = getattr(mmap, "MAP_POPULATE", 0) if prefault else 0
             self._map = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED | populate)
         except BaseException:
             if create:
@@ -227,7 +228,7 @@ class SharedRegion(Region):
         finally:
             os.close(fd)
         self.array = np.frombuffer(self._map, dtype=np.uint8, count=nbytes)
-        if create:
+        if create and prefault:
             self.array.fill(0)  # fault every page in now, not during a collective
 
     def _reserve(self, fd: int, nbytes: int, local_ranks: int) -> None:
@@ -245,9 +246,9 @@ class SharedRegion(Region):
         os.ftruncate(fd, nbytes)  # a file system without fallocate: size it at least
 
     @classmethod
-    def create(cls, nbytes: int, tag: str, local_ranks: int = 1) -> "SharedRegion":
+    def create(cls, nbytes: int, tag: str, local_ranks: int = 1, *, prefault: bool = True) -> "SharedRegion":
         return cls(f"{SHM_PREFIX}{os.getpid()}-{tag}-{secrets.token_hex(4)}", nbytes, create=True,
-                   local_ranks=local_ranks)
+                   local_ranks=local_ranks, prefault=prefault)
 
     @classmethod
     def attach(cls, name: str, nbytes: int) -> "SharedRegion":
@@ -278,18 +279,20 @@ class CclBuffers:
         self.ccl_out = ccl_out
 
     @classmethod
-    def local(cls, nbytes: int) -> "CclBuffers":
-        return cls(LocalRegion(nbytes), LocalRegion(nbytes))
+    def local(cls, nbytes: int, *, prefault: bool = True) -> "CclBuffers":
+        """Process-private buffers; ``prefault=False`` leaves the pages to their first use (quick to make)."""
+        return cls(LocalRegion(nbytes, prefault=prefault), LocalRegion(nbytes, prefault=prefault))
 
     @classmethod
-    def shared(cls, nbytes: int, tag: str, *, local_ranks: int = 1, shrink: bool = False) -> "CclBuffers":
+    def shared(cls, nbytes: int, tag: str, *, local_ranks: int = 1, shrink: bool = False,
+               prefault: bool = True) -> "CclBuffers":
         """CCL_In and CCL_Out in shared memory (stale segments of dead jobs are reclaimed first),
         of ``fit(nbytes, local_ranks, shrink=shrink)`` bytes each."""
         reclaim_stale()
         nbytes = fit(nbytes, local_ranks, shrink=shrink)
-        ccl_in = SharedRegion.create(nbytes, f"{tag}-in", local_ranks)
+        ccl_in = SharedRegion.create(nbytes, f"{tag}-in", local_ranks, prefault=prefault)
         try:
-            ccl_out = SharedRegion.create(nbytes, f"{tag}-out", local_ranks)
+            ccl_out = SharedRegion.create(nbytes, f"{tag}-out", local_ranks, prefault=prefault)
         except BaseException:
             ccl_in.unlink()
             ccl_in.close()

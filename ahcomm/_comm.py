@@ -45,7 +45,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _flight, _groups, _health
+from . import _elastic, _flight, _groups, _health
 from ._buffers import CclBuffers
 from ._collectives import BlockedCollectives, flat_view
 from ._devices import device_aware, take_staging
@@ -238,6 +238,30 @@ class Comm(Health, Retirement, ThreadsafeCalls, BlockedCollectives, ObjectCollec
         torch.distributed.new_group); see ``split``.
         """
         return await _groups.new_group(self, ranks, buffsize)
+
+    # -- elasticity ------------------------------------------------------------------------
+    async def shrink(self, *, exclude: Sequence[int] | None = None,
+                     timeout: float | None = None) -> "Comm | None":
+        """A communicator of the ranks still alive (ULFM's MPI_Comm_shrink, ncclCommShrink).
+
+        Called by every survivor after a failure (this communicator stays failed), or at any
+        time with ``exclude``: ranks to leave out (they need not call it; one that does gets
+        None). The survivors agree on who is gone - ranks that saw different failures converge,
+        and a rank that dies meanwhile is left out too - and get a communicator of the others,
+        ranked in their old order, on the existing connections. ``timeout`` (default
+        AHCOMM_EXEC_TIMEOUT) bounds the wait for the other survivors.
+        """
+        return await _elastic.shrink(self, exclude, timeout)
+
+    async def grow(self, *, timeout: float | None = None) -> "Comm":
+        """A communicator of the job's full world size again (ncclCommGrow): every member calls
+        it, and each missing rank is a replacement process (``ahcomm-run --on-failure restart``)
+        whose ``ahcomm.init()`` joins. Ranks are world ranks (a replacement gets the rank the
+        launcher gave it). ``timeout`` (default AHCOMM_CONNECT_TIMEOUT) bounds the wait for all.
+        State is the application's: e.g. ``broadcast_object`` it from a member afterwards.
+        """
+        from . import _grow
+        return await _grow.grow(self, timeout)
 
     # -- plumbing ---------------------------------------------------------------------------
     def _check_open(self) -> None:

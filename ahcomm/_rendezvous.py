@@ -390,3 +390,50 @@ async def register(addr: str, port: int, info: dict[str, Any], timeout: float | 
     if reply.get("error"):
         raise ConnectError(f"rank {info['rank']}: rank 0's rendezvous failed: {reply['error']}")
     return list(reply["table"])
+
+
+async def serve_rounds(addr: str, port: int, size: int, rounds: int, timeout: float,
+                       creds: Credentials | None = None) -> None:
+    """A rendezvous of ``rounds`` rounds on one socket (``Comm.grow``: the table, then a barrier
+    once every rank opened its links): each registration names its round (``"round"``, from 0),
+    and a round's table goes to its ``size`` registrants once all came. One socket for every round,
+    so a quick rank's next registration never meets a closing server."""
+    creds = creds or Credentials("null")
+    stats = RendezvousStats()
+    domain = AUTH.register("the grow rendezvous", creds)
+    sock = _socket(zmq.ROUTER)
+    creds.server(sock, domain)
+    entries: list[dict[int, dict[str, Any]]] = [{} for _ in range(rounds)]
+    waiting: list[list[tuple[bytes, int]]] = [[] for _ in range(rounds)]
+    try:
+        try:
+            sock.bind(f"tcp://{_resolve(addr)}:{port}")
+        except zmq.ZMQError as exc:
+            raise ConnectError(f"cannot serve the grow rendezvous on {addr}:{port}: {exc}") from exc
+        done = 0
+        try:
+            async with asyncio.timeout(timeout):
+                while done < rounds:
+                    received = await _receive(sock, stats)
+                    if received is None:
+                        continue
+                    ident, info = received
+                    r = info.get("round", 0)
+                    if not isinstance(r, int) or not 0 <= r < rounds or info["size"] != size:
+                        stats.reject(f"a registration for round {r!r} of size {info['size']}")
+                        continue
+                    waiting[r].append((ident, info["rank"]))
+                    entries[r].setdefault(info["rank"], info)
+                    if len(entries[r]) == size and set(entries[r]) == set(range(size)):
+                        await _answer(sock, waiting[r], {"table": [entries[r][i] for i in range(size)]})
+                        done += 1
+        except TimeoutError:
+            r = done
+            missing = sorted(set(range(size)) - set(entries[r]))
+            error = (f"grow: ranks {missing} did not come within {timeout:g} s (round {r + 1} of {rounds})"
+                     f"{_refusals(domain)}")
+            await _answer(sock, waiting[r], {"error": error})
+            raise ConnectError(error) from None
+    finally:
+        sock.close()
+        AUTH.unregister(domain)

@@ -15,7 +15,10 @@ MASTER_PORT (a port of its own for torch.distributed's store), so torch scripts 
 
 SIGINT/SIGTERM are forwarded to every rank, and SIGUSR1 (each rank prints its state). If a
 rank fails, the others are stopped (SIGTERM, then SIGKILL after ``--grace`` seconds) and
-ahcomm-run exits with that rank's status, naming it. If ahcomm-run itself dies, even by
+ahcomm-run exits with that rank's status, naming it. ``--on-failure continue`` keeps the others
+running instead (the death is reported on stderr); ``--on-failure restart --max-restarts N``
+starts the failed rank again, same rank and environment plus AHCOMM_RESTART_COUNT (1, 2, ...),
+at most N times. Either way the exit status is non-zero when any rank failed. If ahcomm-run itself dies, even by
 SIGKILL, its ranks get SIGTERM (Linux). When several ranks share the output, each line is
 prefixed with ``[rank]`` (``--no-tag-output`` turns that off).
 """
@@ -35,6 +38,8 @@ from ._runproc import Tagger, Watchdog, child_setup
 
 GRACE_SECONDS = 3.0
 SECRET_VAR = "AHCOMM_JOB_SECRET"
+RESTART_VAR = "AHCOMM_RESTART_COUNT"
+ON_FAILURE = ("stop", "continue", "restart")
 
 
 def job_secret(env: dict[str, str]) -> str:
@@ -100,11 +105,18 @@ def _signal_all(procs: list[asyncio.subprocess.Process], sig: int) -> None:
 async def launch(nprocs: int, program: Sequence[str], *, tag_output: bool | None = False,
                  master_addr: str = "127.0.0.1", master_port: int | None = None,
                  env: dict[str, str] | None = None, grace: float = GRACE_SECONDS,
-                 first_rank: int = 0, world_size: int | None = None, watch_stdin: bool = False) -> int:
+                 first_rank: int = 0, world_size: int | None = None, watch_stdin: bool = False,
+                 on_failure: str = "stop", max_restarts: int = 0) -> int:
     """Run ``program`` as ranks ``first_rank .. first_rank + nprocs - 1`` of a job of
     ``world_size`` (default ``nprocs``) ranks on this host; return the job's exit status.
     ``tag_output`` None: prefix lines with the rank when more than one rank shares the output.
-    ``watch_stdin``: the end of standard input (the ssh connection of ``-H``'s launcher) stops the job."""
+    ``watch_stdin``: the end of standard input (the ssh connection of ``-H``'s launcher) stops the job.
+    ``on_failure``: what a rank's failure does to the others: ``stop`` them (SIGTERM, SIGKILL after
+    ``grace``), let them ``continue``, or ``restart`` the failed rank (same rank and environment plus
+    AHCOMM_RESTART_COUNT = 1, 2, ...) at most ``max_restarts`` times, then go on without it. Any
+    failure makes the exit status non-zero (the first failed rank's status)."""
+    if on_failure not in ON_FAILURE:
+        raise ValueError(f"on_failure must be one of {', '.join(ON_FAILURE)}, not {on_failure!r}")
     port = master_port or free_port(master_addr)
     size = nprocs if world_size is None else world_size
     tag = nprocs > 1 if tag_output is None else tag_output
@@ -134,24 +146,38 @@ async def launch(nprocs: int, program: Sequence[str], *, tag_output: bool | None
     setup = child_setup()
     watchdog = Watchdog(grace)
     status = 0
+    restarts = [0] * nprocs
+
+    async def start(local: int) -> int | None:
+        """Start (or restart) the rank at ``local``; an exit status when it cannot be started."""
+        rank = first_rank + local
+        rank_vars = rank_env(base, rank, size, master_addr, port, local=local, local_size=nprocs,
+                             torch_port=torch_port)
+        if restarts[local]:
+            rank_vars[RESTART_VAR] = str(restarts[local])
+        try:
+            proc = await asyncio.create_subprocess_exec(*argv, env=rank_vars, stdout=pipe, stderr=pipe,
+                                                        start_new_session=True, preexec_fn=setup)
+        except OSError as exc:
+            print(f"ahcomm-run: cannot start {argv[0]!r}: {exc.strerror or exc}", file=sys.stderr, flush=True)
+            return 127 if isinstance(exc, FileNotFoundError) else 126
+        if local < len(procs):
+            procs[local] = proc
+        else:
+            procs.append(proc)
+        watchdog.watch(proc.pid)  # its process group (start_new_session)
+        if tag:
+            assert proc.stdout is not None and proc.stderr is not None
+            prefix = f"[{rank}] ".encode()
+            pumps.append(asyncio.ensure_future(Tagger(prefix, sys.stdout.buffer).pump(proc.stdout)))
+            pumps.append(asyncio.ensure_future(Tagger(prefix, sys.stderr.buffer).pump(proc.stderr)))
+        return None
+
     try:
         for local in range(nprocs):
-            rank = first_rank + local
-            rank_vars = rank_env(base, rank, size, master_addr, port, local=local, local_size=nprocs,
-                                 torch_port=torch_port)
-            try:
-                proc = await asyncio.create_subprocess_exec(*argv, env=rank_vars, stdout=pipe, stderr=pipe,
-                                                            start_new_session=True, preexec_fn=setup)
-            except OSError as exc:
-                print(f"ahcomm-run: cannot start {argv[0]!r}: {exc.strerror or exc}", file=sys.stderr, flush=True)
-                return 127 if isinstance(exc, FileNotFoundError) else 126
-            procs.append(proc)
-            watchdog.watch(proc.pid)  # its process group (start_new_session)
-            if tag:
-                assert proc.stdout is not None and proc.stderr is not None
-                prefix = f"[{rank}] ".encode()
-                pumps.append(asyncio.ensure_future(Tagger(prefix, sys.stdout.buffer).pump(proc.stdout)))
-                pumps.append(asyncio.ensure_future(Tagger(prefix, sys.stderr.buffer).pump(proc.stderr)))
+            code = await start(local)
+            if code is not None:
+                return code
         if interrupted:  # a signal came while the ranks were starting
             _signal_all(procs, interrupted[-1])
         if watch_stdin:
@@ -169,19 +195,38 @@ async def launch(nprocs: int, program: Sequence[str], *, tag_output: bool | None
             loop.add_reader(stdin, on_stdin)
         # SIGUSR1 asks every rank to print its state (which op it is in): passed on, not a stop.
         loop.add_signal_handler(signal.SIGUSR1, _signal_all, procs, signal.SIGUSR1)
-        waiters = {asyncio.ensure_future(p.wait()): rank for rank, p in enumerate(procs)}
+        waiters = {asyncio.ensure_future(p.wait()): local for local, p in enumerate(procs)}
         pending = set(waiters)
+        stopping = False
         while pending:
             done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-            failed = [(waiters[f] + first_rank, f.result()) for f in done if f.result() != 0]
-            if failed and status == 0:
-                rank, code = min(failed)
-                status = code if code > 0 else 128 - code
+            failed = sorted((waiters[f], f.result()) for f in done if f.result() != 0)
+            for local, code in failed:
+                rank = first_rank + local
+                if status == 0:
+                    status = code if code > 0 else 128 - code
                 how = f"exited with code {code}" if code > 0 else f"was killed by signal {-code}"
-                if not interrupted:
+                if interrupted or stopping:
+                    continue
+                if on_failure == "restart" and restarts[local] < max_restarts:
+                    restarts[local] += 1
+                    print(f"ahcomm-run: rank {rank} {how}; restarting it "
+                          f"({RESTART_VAR}={restarts[local]}, {max_restarts - restarts[local]} restarts left)",
+                          file=sys.stderr, flush=True)
+                    if await start(local) is None:
+                        waiter = asyncio.ensure_future(procs[local].wait())
+                        waiters[waiter] = local
+                        pending.add(waiter)
+                        continue
+                    how = "could not be restarted"
+                if on_failure == "stop":
                     print(f"ahcomm-run: rank {rank} {how}; stopping the other ranks", file=sys.stderr, flush=True)
-                _signal_all(procs, signal.SIGTERM)
-                loop.call_later(grace, _signal_all, procs, signal.SIGKILL)
+                    stopping = True
+                    _signal_all(procs, signal.SIGTERM)
+                    loop.call_later(grace, _signal_all, procs, signal.SIGKILL)
+                else:
+                    left = "" if on_failure == "continue" else f" after {restarts[local]} restarts"
+                    print(f"ahcomm-run: rank {rank} {how}{left}; the other ranks go on", file=sys.stderr, flush=True)
     finally:
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1):
             loop.remove_signal_handler(sig)
@@ -224,7 +269,8 @@ def read_hostfile(path: str) -> list[tuple[str, int]]:
 
 
 async def launch_hosts(hosts: list[tuple[str, int]], program: Sequence[str], *, master_addr: str | None,
-                       master_port: int | None, tag_output: bool | None, grace: float) -> int:
+                       master_port: int | None, tag_output: bool | None, grace: float,
+                       on_failure: str = "stop", max_restarts: int = 0) -> int:
     """mpirun's style: one launcher per host, started through AHCOMM_RSH (default ``ssh``);
     the job secret goes to each over its standard input, never on a command line."""
     import shlex
@@ -241,7 +287,9 @@ async def launch_hosts(hosts: list[tuple[str, int]], program: Sequence[str], *, 
     for host, slots in hosts:
         remote = [sys.executable, "-m", "ahcomm.run", "--secret-stdin", "--nproc-per-node", str(slots),
                   "--first-rank", str(first), "--world-size", str(size), "--master-addr", addr,
-                  "--master-port", str(port), "--grace", str(grace), "--tag-output" if tag else "--no-tag-output",
+                  "--master-port", str(port), "--grace", str(grace), "--on-failure", on_failure,
+                  "--max-restarts", str(max_restarts),
+                  "--tag-output" if tag else "--no-tag-output",
                   *command_line(program)]
         line = f"cd {shlex.quote(os.getcwd())} && exec {shlex.join(remote)}"
         # stdin stays open: its end tells the remote launcher that this one is gone (and the
@@ -261,6 +309,8 @@ async def launch_hosts(hosts: list[tuple[str, int]], program: Sequence[str], *, 
         for fut in done:
             if fut.result() != 0 and status == 0:
                 status = fut.result() if fut.result() > 0 else 128 - fut.result()
+                if on_failure != "stop":  # that host's launcher reported its ranks; the others go on
+                    continue
                 print(f"ahcomm-run: the ranks on {waiters[fut]} failed (status {fut.result()}); stopping the others",
                       file=sys.stderr, flush=True)
                 for proc in procs:  # the end of its stdin stops a remote launcher, however ssh passes signals
@@ -295,10 +345,19 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--master-port", type=int, default=None, help="rendezvous port (default: a free one)")
     parser.add_argument("--grace", type=float, default=GRACE_SECONDS,
                         help="seconds between SIGTERM and SIGKILL when a failed rank stops the job (default 3)")
+    parser.add_argument("--on-failure", choices=ON_FAILURE, default="stop",
+                        help="when a rank fails: stop the others (default), let them continue, or restart it")
+    parser.add_argument("--max-restarts", type=int, default=None,
+                        help="with --on-failure restart: restarts per rank (default 3)")
     parser.add_argument("program", nargs=argparse.REMAINDER, help="program and its arguments")
     args = parser.parse_args(argv)
     if not args.program:
         parser.error("no program given")
+    if args.max_restarts is not None and args.max_restarts < 0:
+        parser.error("--max-restarts must be 0 or more")
+    if args.max_restarts and args.on_failure != "restart":
+        parser.error("--max-restarts needs --on-failure restart")
+    restarts = (3 if args.max_restarts is None else args.max_restarts) if args.on_failure == "restart" else 0
     if args.secret_stdin:
         os.environ[SECRET_VAR] = sys.stdin.readline().strip()
     if args.hosts or args.hostfile:
@@ -308,7 +367,8 @@ def main(argv: Sequence[str] | None = None) -> None:
             parser.error(str(exc))
         sys.exit(asyncio.run(launch_hosts(hosts, args.program, master_addr=args.master_addr,
                                           master_port=args.master_port, tag_output=args.tag_output,
-                                          grace=args.grace)))
+                                          grace=args.grace, on_failure=args.on_failure,
+                                          max_restarts=restarts)))
     if args.nproc is None:
         parser.error("-n is required: how many ranks to start on this host (e.g. -n 4)")
     if args.nproc < 1:
@@ -327,7 +387,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     sys.exit(asyncio.run(launch(args.nproc, args.program, tag_output=args.tag_output,
                                 master_addr=args.master_addr or "127.0.0.1", master_port=args.master_port,
                                 grace=args.grace, first_rank=first, world_size=size,
-                                watch_stdin=args.secret_stdin)))
+                                watch_stdin=args.secret_stdin, on_failure=args.on_failure,
+                                max_restarts=restarts)))
 
 
 if __name__ == "__main__":
