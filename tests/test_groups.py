@@ -275,3 +275,31 @@ async def test_traces_of_groups_are_named_after_their_domain(tmp_path: Path,
     names = sorted(p.name.split(".")[0] + "." + p.name.split(".")[1] for p in tmp_path.glob("*.g*.json"))
     assert names == ["rank0of2.g1"] * 2 + ["rank1of2.g1"] * 2, names
     assert len(list(tmp_path.glob("rank*of4.*.json"))) == 4
+
+
+async def test_a_rank_that_cannot_make_its_buffers_fails_every_rank(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rank 1's /dev/shm is full when the group's buffers are made: it raises its ConfigError and
+    every other rank a TransportError naming it (before: they waited in the next round)."""
+    from ahcomm import _groups
+
+    make = _groups._make_buffers
+
+    def failing(parent: ahcomm.Comm, group: tuple[int, ...], nbytes: int) -> Any:
+        if parent.rank == 1:
+            raise ahcomm.ConfigError("not enough shared memory for the CCL buffers: /dev/shm is 64 MiB")
+        return make(parent, group, nbytes)
+
+    monkeypatch.setattr(_groups, "_make_buffers", failing)
+    comms = await world(4)
+    results = await asyncio.wait_for(asyncio.gather(*(c.split(c.rank % 2) for c in comms),
+                                                    return_exceptions=True), 10)
+    assert isinstance(results[1], ahcomm.ConfigError) and "/dev/shm is 64 MiB" in str(results[1]), results
+    for r in (0, 2, 3):
+        err = results[r]
+        assert isinstance(err, ahcomm.TransportError), results
+        assert ("split: rank 1 could not create its CCL buffers for the new sub-communicator: ConfigError: not "
+                "enough shared memory" in str(err)), err
+    monkeypatch.setattr(_groups, "_make_buffers", make)
+    groups = await asyncio.gather(*(c.split(c.rank % 2) for c in comms))  # the parent is still fine
+    assert all(g is not None and g.size == 2 for g in groups)
+    await close_all(comms)
