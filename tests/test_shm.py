@@ -112,8 +112,8 @@ def by_hand_job(tmp_path: Path, size: int, first: list[int], last: list[int]) ->
     """Ranks started by hand (as torchrun or a script would, no ahcomm-run to stop the others) in
     a private 64 MiB /dev/shm: ``first`` make their buffers and wait in the rendezvous, then the
     rest of /dev/shm is filled (another job, say), then ``last`` start and cannot make theirs.
-    Returns the lines the ranks printed; every rank must have ended within 40 s (the connect
-    timeout is 60 s: a rank that waited it out fails the test)."""
+    Returns the lines the ranks printed, in rank order; every rank must have ended within 40 s
+    (the connect timeout is 60 s: a rank that waited it out fails the test)."""
     why = _namespaces()
     if why:
         pytest.skip(why)
@@ -122,7 +122,8 @@ def by_hand_job(tmp_path: Path, size: int, first: list[int], last: list[int]) ->
     port = free_port()
 
     def rank(r: int) -> str:
-        return f"AHCOMM_RANK={r} {shlex.quote(sys.executable)} {shlex.quote(str(script))} &"
+        out = shlex.quote(str(tmp_path / f"rank{r}.out"))
+        return f"AHCOMM_RANK={r} {shlex.quote(sys.executable)} {shlex.quote(str(script))} > {out} 2>&1 &"
 
     shell = "\n".join([
         "mount -t tmpfs -o size=64m tmpfs /dev/shm || exit 9",
@@ -144,9 +145,10 @@ def by_hand_job(tmp_path: Path, size: int, first: list[int], last: list[int]) ->
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         out = proc.communicate()[0]
-        pytest.fail(f"the ranks still waited after 40 s:\n{out}")
-    assert proc.returncode == 0, out
-    return sorted(line for line in out.splitlines() if line.startswith("rank ") and " raised " in line)
+    outs = [(tmp_path / f"rank{r}.out").read_text() for r in range(size)]
+    if proc.returncode != 0:
+        pytest.fail(f"the ranks still waited after 40 s (or the shell failed):\n{out}{''.join(outs)}")
+    return [line for text in outs for line in text.splitlines() if line.startswith("rank ") and " raised " in line]
 
 
 @pytest.mark.parametrize("short", [2, 0])
