@@ -10,7 +10,8 @@ numbers when the call is made, so matching across ranks is unchanged.
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Sequence
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
@@ -269,7 +270,8 @@ class BlockedCollectives:
         try:
             rows = tuple(int(c) for c in counts)
         except (TypeError, ValueError):
-            raise InvalidArgument(f"{what}: {name} must be a sequence of {self.size} integers, got {counts!r}") from None
+            raise InvalidArgument(
+                f"{what}: {name} must be a sequence of {self.size} integers, got {counts!r}") from None
         if len(rows) != self.size or any(c < 0 for c in rows):
             raise InvalidArgument(f"{what}: {name} must be {self.size} non-negative integers "
                                   f"(one per rank), got {list(rows)}")
@@ -292,7 +294,8 @@ class BlockedCollectives:
         """The root's data, or (elsewhere) an array giving the dtype and row shape."""
         if x is None and (self.rank == root or out is None):
             self._check_open()
-            raise InvalidArgument(f"{what}: x is required {'at the root' if self.rank == root else 'unless out= is given'}")
+            where = "at the root" if self.rank == root else "unless out= is given"
+            raise InvalidArgument(f"{what}: x is required {where}")
         if x is None:
             assert out is not None
             self._check_open()

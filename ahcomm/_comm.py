@@ -39,30 +39,28 @@ import itertools
 import threading
 import time
 from collections import deque
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable, Sequence
+from typing import Any
 
 import numpy as np
 
-from . import _flight
+from . import _flight, _groups, _health
 from ._buffers import CclBuffers
 from ._collectives import BlockedCollectives, flat_view
 from ._devices import device_aware, take_staging
 from ._dtypes import ReduceOp, check_dtype, check_reduce, ufunc_for
 from ._errors import CommClosedError, InvalidArgument, UsageError, check_timeout
-from . import _groups, _health
+from ._flight import Entry, FlightRecorder
 from ._health import Health
 from ._objects import ObjectCollectives
 from ._p2p import PointToPoint
 from ._retire import Retirement
 from ._sync import ThreadsafeCalls
-from ._flight import Entry, FlightRecorder
 from .algorithms._executor import Executor, Progress
 from .algorithms._selection import Selector
 from .algorithms.base import WHOLE, Algorithm, Call, Topology
 from .transports.base import Link
-
-
 
 _UFUNCS: dict[tuple[ReduceOp, np.dtype], np.ufunc] = {}  # ufunc_for's answers (a few dozen at most)
 

@@ -23,7 +23,8 @@ says so in the last round, and the creation tries again with a fresh domain.
 from __future__ import annotations
 
 import random
-from typing import TYPE_CHECKING, Any, Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 

@@ -8,11 +8,12 @@ import itertools
 import threading
 import time
 from collections import deque
-from typing import TYPE_CHECKING, Any, Coroutine
+from collections.abc import Coroutine
+from typing import TYPE_CHECKING, Any
 
 import msgpack
 
-from ._errors import (AhcommError, CollectiveMismatchError, CollectiveTimeout, PeerFailure, TransportError)
+from ._errors import AhcommError, CollectiveMismatchError, CollectiveTimeout, PeerFailure, TransportError
 from ._flight import Entry, FlightRecorder, describe
 from .algorithms._executor import Executor
 from .algorithms.base import Call
@@ -268,7 +269,8 @@ class Health:
             "next": self._seq, "running": job.call.seq if job is not None else -1,
             "running_op": job.call.op if job is not None else None,
             "algorithm": job.algorithm.name if job is not None and job.algorithm is not None else None,
-            "started": self._started_seq, "done": self._done_seq, "queued": len(self._queue), "last_op": last.op if last is not None else None,
+            "started": self._started_seq, "done": self._done_seq, "queued": len(self._queue),
+            "last_op": last.op if last is not None else None,
             "failed": str(self._error) if self._error is not None else None,
         }
 
@@ -294,7 +296,8 @@ class Health:
         finally:
             for rid in ids:
                 self._requests.pop(rid, None)
-        out: dict[int, dict[str, Any] | None] = {p: None for p in (peers if peers is not None else self._executor.links)}
+        asked = peers if peers is not None else self._executor.links
+        out: dict[int, dict[str, Any] | None] = dict.fromkeys(asked)
         for peer, fut in waiting.items():
             if fut.done() and not fut.cancelled():
                 out[peer] = fut.result()
@@ -365,8 +368,9 @@ class Health:
         if tell is not None:
             kind, text = tell
             facts = {key: getattr(error, key) for key in ("op", "seq") if getattr(error, key, None) is not None}
-            if getattr(error, "missing", None):
-                facts["missing"] = list(getattr(error, "missing"))
+            missing = getattr(error, "missing", None)
+            if missing:
+                facts["missing"] = list(missing)
             payload = _pack({"t": "fail", "kind": kind, "msg": text[:16000], **facts, **(extra or {})})
             for peer in self._executor.links:
                 self._executor.send_control(peer, payload)

@@ -12,7 +12,8 @@ rank itself; the other ranks learn it from the length exchange). The job stays i
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING, Any, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import msgpack
 import numpy as np
@@ -78,7 +79,8 @@ class ObjectCollectives:
                      algorithm: str | None = None,
                      timeout: float | None = None) -> asyncio.Future[Gathered | None]: ...
 
-    def broadcast_object(self, obj: Any = None, root: int = 0, *, timeout: float | None = None) -> "asyncio.Future[Any]":
+    def broadcast_object(self, obj: Any = None, root: int = 0, *,
+                         timeout: float | None = None) -> "asyncio.Future[Any]":
         """The root's ``obj`` on every rank (other ranks' ``obj`` is ignored)."""
         self._check_open()
         self._check_root(root, "broadcast_object")

@@ -18,7 +18,8 @@ rejected it when a signal of the other's run arrives (or had arrived).
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING, Any, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
