@@ -30,6 +30,7 @@ import signal
 import threading
 import weakref
 from types import FrameType
+from typing import Protocol
 
 import numpy as np
 
@@ -91,7 +92,13 @@ def fit(nbytes: int, local_ranks: int, *, shrink: bool, directory: str = SHM_DIR
 
 
 # -- SIGTERM while names exist: unlink them, then die of SIGTERM as before ---------------------
-_pending: "weakref.WeakSet[SharedRegion]" = weakref.WeakSet()
+class Named(Protocol):
+    """Something with /dev/shm names to remove (a region, a mailbox's FIFO)."""
+
+    def unlink(self) -> None: ...
+
+
+_pending: "weakref.WeakSet[Named]" = weakref.WeakSet()
 _installed = False
 
 
@@ -102,8 +109,8 @@ def _on_sigterm(signum: int, frame: FrameType | None) -> None:
     os.kill(os.getpid(), signal.SIGTERM)
 
 
-def _guard(region: "SharedRegion") -> None:
-    """Unlink ``region``'s name on SIGTERM until ``unlink()``; only where SIGTERM would simply end
+def guard(region: Named) -> None:
+    """Unlink ``region``'s names on SIGTERM until ``unguard(region)``; only where SIGTERM would simply end
     the process (its default), from the main thread (an application's own handler stays)."""
     global _installed
     _pending.add(region)
@@ -117,7 +124,7 @@ def _guard(region: "SharedRegion") -> None:
         pass
 
 
-def _unguard(region: "SharedRegion") -> None:
+def unguard(region: Named) -> None:
     global _installed
     _pending.discard(region)
     if _installed and not _pending and threading.current_thread() is threading.main_thread():
@@ -207,7 +214,7 @@ class SharedRegion(Region):
                                f"from {SHM_DIR} during init (a clean-up of /dev/shm, or its rank died)") from None
         try:
             if create:
-                _guard(self)
+                guard(self)
                 self._reserve(fd, nbytes, local_ranks)
             elif os.fstat(fd).st_size < nbytes:
                 raise ConnectError(f"shared region {self._path} is smaller than {nbytes} bytes")
@@ -248,7 +255,7 @@ class SharedRegion(Region):
 
     def unlink(self) -> None:
         """Remove the name; mappings stay valid until closed (no leak if the job dies)."""
-        _unguard(self)
+        unguard(self)
         try:
             os.unlink(self._path)
         except FileNotFoundError:

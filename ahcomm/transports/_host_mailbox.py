@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from .._buffers import SHM_DIR, SHM_PREFIX, SharedRegion
+from .._buffers import SHM_DIR, SHM_PREFIX, SharedRegion, guard, unguard
 from .mailbox import Mailbox, Waker, box_bytes
 
 
@@ -47,6 +47,7 @@ class HostMailbox:
         self.mailbox: Mailbox | None = None
         try:
             os.mkfifo(self.fifo, 0o600)
+            guard(self)  # a SIGTERM before unlink() removes the FIFO's name too
             self.fd = os.open(self.fifo, os.O_RDWR | os.O_NONBLOCK)
         except BaseException:
             self.close()
@@ -96,6 +97,7 @@ class HostMailbox:
 
     def unlink(self) -> None:
         """Remove the names (every peer holds its mapping and descriptor)."""
+        unguard(self)
         self.region.unlink()
         try:
             os.unlink(self.fifo)
