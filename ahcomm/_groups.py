@@ -149,8 +149,9 @@ async def _create(parent: "Comm", color: int | None, key: int, members: tuple[in
     except Exception as exc:  # noqa: BLE001 - raised here after the status round, named on every rank
         broken = exc
     try:
-        about: dict[str, Any] = {}
-        if buffers is not None and len(group) > 1:  # what each kind of link needs (sdma: shared-memory names)
+        # what each kind of link needs (sdma: shared-memory names); None: this rank has no buffers
+        about: dict[str, Any] | None = None if broken is not None else {}
+        if about is not None and buffers is not None and len(group) > 1:
             for link in {type(parent._executor.links[p]): parent._executor.links[p] for p in group
                          if p != parent.rank}.values():
                 about.update(link.describe_buffers(buffers))
@@ -173,12 +174,13 @@ async def _create(parent: "Comm", color: int | None, key: int, members: tuple[in
 
 
 async def _open(parent: "Comm", group: tuple[int, ...], rank: int, buffers: CclBuffers | None,
-                about: dict[str, Any], progress: Progress | None, spread: int,
+                about: dict[str, Any] | None, progress: Progress | None, spread: int,
                 broken: Exception | None = None) -> tuple[int, dict[int, Link] | None]:
     """One attempt: agree on a domain, open this rank's child links, and learn whether every
     rank could. Returns (domain, links), or (domain, None) when the domain must be retried.
-    ``broken``: why this rank has no buffers; it still takes part in both rounds, so every
-    rank raises (this one its own exception, the others a TransportError naming it)."""
+    ``broken``: why this rank has no buffers (its ``about`` is None, so no member opens links
+    to it); it still takes part in both rounds, so every rank raises (this one its own
+    exception, the others a TransportError naming it)."""
     proposal = parent._domains.reserve(spread)
     rows = await parent.all_gather_object([proposal, about])
     domain = max(int(row[0]) for row in rows)
@@ -187,6 +189,8 @@ async def _open(parent: "Comm", group: tuple[int, ...], rank: int, buffers: CclB
     status: str | None = None
     if broken is not None:
         status = f"could not create its CCL buffers for the new sub-communicator: {type(broken).__name__}: {broken}"
+    elif any(rows[p][1] is None for p in group):
+        pass  # a member has no buffers: its own status says why
     elif domain > MAX_DOMAIN:
         status = f"has no domain left (its process made {MAX_DOMAIN} sub-communicators)"
     else:
