@@ -236,7 +236,7 @@ def _conflict(info: dict[str, Any], entries: dict[int, dict[str, Any]], size: in
 def failure(rank: int, size: int, host: str, error: str) -> dict[str, Any]:
     """The registration of a rank that failed during init before it could register (its
     /dev/shm full, say): rank 0's rendezvous answers every rank with ``error``."""
-    limit = MAX_STR - 64
+    limit = (MAX_STR - 64) // 4  # characters: msgpack's limit is in bytes of UTF-8
     text = f"rank {rank} failed during init: {error}"
     return {"rank": rank, "size": size, "host": host[:256], "pid": os.getpid(),
             "error": text if len(text) <= limit else text[:limit] + "..."}
