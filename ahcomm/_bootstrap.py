@@ -26,6 +26,7 @@ from ._errors import ConfigError, ConnectError
 from ._rendezvous import (
     LINGER,
     REPLY_SLACK,
+    failure,
     host_identity,
     interface_addresses,
     local_address,
@@ -50,6 +51,7 @@ from .transports.rdma import RdmaLink
 from .transports.sdma import SdmaLink
 
 HELLO_INDEX = 0xFFFF  # notify index of the connection handshake (never used by algorithms)
+REPORT_AFTER = 2.0  # seconds a rank that failed during init waits for rank 0 before it logs its error
 log = logging.getLogger("ahcomm.security")
 
 
@@ -96,26 +98,35 @@ async def create(config: Config | None = None, *, rank: int | None = None, world
     use_store = cfg.torch_store and master_port is None  # torchrun's agent holds MASTER_PORT
     host = host_identity(cfg.server_id)
     shared = cfg.transport != "rdma" and size > 1
-    if shared:  # the default size shrinks to fit a small /dev/shm; a chosen one is kept or refused
-        chosen = bool(os.environ.get("AHCOMM_BUFFSIZE")) or cfg.buffsize != Config.buffsize
-        buffers = CclBuffers.shared(cfg.buffsize, f"r{rank}", local_ranks=cfg.local_world_size or size,
-                                    shrink=not chosen)
-    else:
-        buffers = CclBuffers.local(cfg.buffsize)
+    creds = Credentials.derive(cfg.job_secret, cfg.encrypt)
+    store = StorePort(cfg.master_addr, port, cfg.connect_timeout) if use_store and size > 1 else None
+    try:
+        if shared:  # the default size shrinks to fit a small /dev/shm; a chosen one is kept or refused
+            chosen = bool(os.environ.get("AHCOMM_BUFFSIZE")) or cfg.buffsize != Config.buffsize
+            buffers = CclBuffers.shared(cfg.buffsize, f"r{rank}", local_ranks=cfg.local_world_size or size,
+                                        shrink=not chosen)
+        else:
+            buffers = CclBuffers.local(cfg.buffsize)
+    except Exception as exc:
+        await _abandon(rank, size, port, cfg, creds, store, host, exc)
+        raise
     channel: Channel | None = None
     mbox: HostMailbox | None = None
     links: dict[int, Link] = {}
     progress = Progress(rank, size)
     cost_model = load_cost_model()
-    creds = Credentials.derive(cfg.job_secret, cfg.encrypt)
     if size > 1 and not creds.secure and rank == 0:
         log.warning("AHCOMM_INSECURE=1 and no AHCOMM_JOB_SECRET: this job's connections are not authenticated")
     try:
         if size > 1:
-            tcp_host = cfg.if_ip or _interface(cfg) or local_address(cfg.master_addr)
-            channel = Channel(rank, buffers, ipc=shared, tcp_host=tcp_host, creds=creds, heartbeat=cfg.heartbeat,
-                              max_message=cfg.max_message)
-            mbox = _host_mailbox(rank) if shared else None
+            try:
+                tcp_host = cfg.if_ip or _interface(cfg) or local_address(cfg.master_addr)
+                channel = Channel(rank, buffers, ipc=shared, tcp_host=tcp_host, creds=creds, heartbeat=cfg.heartbeat,
+                                  max_message=cfg.max_message)
+                mbox = _host_mailbox(rank) if shared else None
+            except Exception as exc:
+                await _abandon(rank, size, port, cfg, creds, store, host, exc)
+                raise
             info = {
                 "rank": rank, "size": size, "host": host, "endpoints": channel.endpoints,
                 "shm": [buffers.ccl_in.name, buffers.ccl_out.name] if shared else None,
@@ -125,7 +136,6 @@ async def create(config: Config | None = None, *, rank: int | None = None, world
             }
             if rank == 0:  # every rank selects algorithms with rank 0's cost model
                 info["tuning"] = cost_model.to_dict()
-            store = StorePort(cfg.master_addr, port, cfg.connect_timeout) if use_store else None
             table = await _rendezvous(rank, size, port, cfg, info, creds, store)
             links = _connect(rank, table, channel, cfg, host, progress)
             if mbox is not None and HostMailbox.usable(table) and all(link.kind == "sdma" for link in links.values()):
@@ -202,19 +212,41 @@ async def _agree(comm: Comm, single_copy: bool, tracing: bool) -> tuple[bool, bo
     return bool(agreed[0]), bool(agreed[1])
 
 
+async def _abandon(rank: int, size: int, port: int, cfg: Config, creds: Credentials, store: StorePort | None,
+                   host: str, exc: Exception) -> None:
+    """This rank failed before it registered (its /dev/shm full, say): tell every rank through
+    the rendezvous, so none waits out AHCOMM_CONNECT_TIMEOUT (rank 0 serves nothing but this
+    error; another rank registers it with rank 0). Best effort: the caller raises ``exc`` next."""
+    if size <= 1:
+        return
+    entry = failure(rank, size, host, f"{type(exc).__name__}: {exc}")
+    told = asyncio.ensure_future(_rendezvous(rank, size, port, cfg, entry, creds, store, failed=True))
+    try:
+        done, _ = await asyncio.wait({told}, timeout=REPORT_AFTER)
+        if not done:  # rank 0 is not there (yet): say why this rank stops while it waits
+            logging.getLogger("ahcomm").error("rank %d failed during init (%s: %s); telling the other ranks "
+                                              "through rank 0's rendezvous", rank, type(exc).__name__, exc)
+        await asyncio.gather(told, return_exceptions=True)
+    finally:
+        told.cancel()
+        await asyncio.gather(told, return_exceptions=True)
+
+
 async def _rendezvous(rank: int, size: int, port: int, cfg: Config, info: dict[str, Any],
-                      creds: Credentials, store: StorePort | None = None) -> list[dict[str, Any]]:
+                      creds: Credentials, store: StorePort | None = None,
+                      failed: bool = False) -> list[dict[str, Any]]:
     """Register with rank 0 (rank 0 also serves); a failure of either side surfaces at once.
     Rank 0's server names what went wrong, so a rank waits a little longer than it does and
     rank 0's own registration waits for its server's verdict. With ``store`` (torchrun's),
-    rank 0 serves on a free port and publishes it there."""
+    rank 0 serves on a free port and publishes it there. ``failed``: ``info`` is this rank's
+    error (``failure()``), which rank 0 serves to every rank instead of registering."""
     if rank != 0:
         if store is not None:
             port = await store.fetch(rank)
         return await register(cfg.master_addr, port, info, cfg.connect_timeout + REPLY_SLACK, creds)
     bound: asyncio.Future[int] = asyncio.get_running_loop().create_future()
     server = asyncio.ensure_future(serve(cfg.master_addr, 0 if store else port, size, cfg.connect_timeout, creds,
-                                         bound=bound))
+                                         bound=bound, failed=str(info["error"]) if failed else ""))
     try:
         first: list[asyncio.Future[Any]] = [bound, server]
         await asyncio.wait(first, return_when=asyncio.FIRST_COMPLETED)
@@ -223,6 +255,9 @@ async def _rendezvous(rank: int, size: int, port: int, cfg: Config, info: dict[s
         port = bound.result()
         if store is not None:
             await store.publish(port)
+        if failed:
+            await server  # answers each rank with rank 0's error, then ends
+            return []
     except BaseException:
         server.cancel()
         await asyncio.gather(server, return_exceptions=True)

@@ -142,16 +142,23 @@ async def _create(parent: "Comm", color: int | None, key: int, members: tuple[in
     if color is not None:
         group = tuple(p for _, p in sorted((int(row[1]), p) for p, row in enumerate(rows) if row[0] == color))
     rank = group.index(parent.rank) if group else -1
-    buffers = _make_buffers(parent, group, nbytes) if group else None
+    buffers: CclBuffers | None = None
+    broken: Exception | None = None  # this rank could not make its buffers (/dev/shm full): every rank hears it
     try:
-        about: dict[str, Any] = {}
-        if buffers is not None and len(group) > 1:  # what each kind of link needs (sdma: shared-memory names)
+        buffers = _make_buffers(parent, group, nbytes) if group else None
+    except Exception as exc:  # noqa: BLE001 - raised here after the status round, named on every rank
+        broken = exc
+    try:
+        # what each kind of link needs (sdma: shared-memory names); None: this rank has no buffers
+        about: dict[str, Any] | None = None if broken is not None else {}
+        if about is not None and buffers is not None and len(group) > 1:
             for link in {type(parent._executor.links[p]): parent._executor.links[p] for p in group
                          if p != parent.rank}.values():
                 about.update(link.describe_buffers(buffers))
         for attempt in range(DOMAIN_ATTEMPTS):
             progress = Progress(rank, len(group)) if group else None
-            domain, opened = await _open(parent, group, rank, buffers, about, progress, RETRY_SPREAD * (attempt > 0))
+            domain, opened = await _open(parent, group, rank, buffers, about, progress, RETRY_SPREAD * (attempt > 0),
+                                         broken)
             if opened is not None:
                 break
         else:
@@ -160,25 +167,32 @@ async def _create(parent: "Comm", color: int | None, key: int, members: tuple[in
         if buffers is not None:
             buffers.close()
         raise
-    if buffers is None or progress is None:
+    if buffers is None or progress is None or opened is None:
         return None
     buffers.unlink()  # every member has mapped them
     return _comm(parent, group, rank, opened, buffers, progress, domain)
 
 
 async def _open(parent: "Comm", group: tuple[int, ...], rank: int, buffers: CclBuffers | None,
-                about: dict[str, Any], progress: Progress | None,
-                spread: int) -> tuple[int, dict[int, Link] | None]:
+                about: dict[str, Any] | None, progress: Progress | None, spread: int,
+                broken: Exception | None = None) -> tuple[int, dict[int, Link] | None]:
     """One attempt: agree on a domain, open this rank's child links, and learn whether every
-    rank could. Returns (domain, links), or (domain, None) when the domain must be retried."""
+    rank could. Returns (domain, links), or (domain, None) when the domain must be retried.
+    ``broken``: why this rank has no buffers (its ``about`` is None, so no member opens links
+    to it); it still takes part in both rounds, so every rank raises (this one its own
+    exception, the others a TransportError naming it)."""
     proposal = parent._domains.reserve(spread)
     rows = await parent.all_gather_object([proposal, about])
     domain = max(int(row[0]) for row in rows)
     parent._domains.seen(domain)
     opened: dict[int, Link] = {}
     status: str | None = None
-    if domain > MAX_DOMAIN:
-        status = f"no domain left (this process made {MAX_DOMAIN} sub-communicators)"
+    if broken is not None:
+        status = f"could not create its CCL buffers for the new sub-communicator: {type(broken).__name__}: {broken}"
+    elif any(rows[p][1] is None for p in group):
+        pass  # a member has no buffers: its own status says why
+    elif domain > MAX_DOMAIN:
+        status = f"has no domain left (its process made {MAX_DOMAIN} sub-communicators)"
     else:
         try:
             for g, p in enumerate(group):
@@ -189,7 +203,7 @@ async def _open(parent: "Comm", group: tuple[int, ...], rank: int, buffers: CclB
         except DomainInUse:
             status = COLLISION
         except Exception as exc:  # noqa: BLE001 - told to every rank below
-            status = f"{type(exc).__name__}: {exc}"
+            status = f"could not open its links of the new sub-communicator: {type(exc).__name__}: {exc}"
     try:
         statuses = await parent.all_gather_object(status)  # also: every member's links exist now
     except BaseException:
@@ -198,9 +212,11 @@ async def _open(parent: "Comm", group: tuple[int, ...], rank: int, buffers: CclB
     failed = [(p, text) for p, text in enumerate(statuses) if text and text != COLLISION]
     if failed or COLLISION in statuses:
         _close(opened)
+        if broken is not None:
+            raise broken
         if failed:
             p, text = failed[0]
-            raise TransportError(f"split: rank {p} could not open its links of the new sub-communicator: {text}")
+            raise TransportError(f"split: rank {p} {text}")
         return domain, None
     return domain, opened
 

@@ -86,6 +86,11 @@ def check_entry(info: Any) -> dict[str, Any]:
         raise ValueError(f"a registration must be a map, got {type(info).__name__}")
     _int(info, "rank", 0, 1 << 30)
     _int(info, "size", 1, 1 << 30)
+    if "error" in info:  # a rank that failed before it could register (see failure())
+        _int(info, "pid", 0, 1 << 31)
+        if not isinstance(info["error"], str) or not info["error"] or not isinstance(info.get("host"), str):
+            raise ValueError("an error registration needs a non-empty 'error' string and a 'host'")
+        return info
     _int(info, "buffsize", 1, 1 << 50)
     _int(info, "pid", 0, 1 << 31)
     _int(info, "probe", 0, (1 << 64) - 1)
@@ -228,13 +233,25 @@ def _conflict(info: dict[str, Any], entries: dict[int, dict[str, Any]], size: in
     return ""
 
 
+def failure(rank: int, size: int, host: str, error: str) -> dict[str, Any]:
+    """The registration of a rank that failed during init before it could register (its
+    /dev/shm full, say): rank 0's rendezvous answers every rank with ``error``."""
+    limit = (MAX_STR - 64) // 4  # characters: msgpack's limit is in bytes of UTF-8
+    text = f"rank {rank} failed during init: {error}"
+    return {"rank": rank, "size": size, "host": host[:256], "pid": os.getpid(),
+            "error": text if len(text) <= limit else text[:limit] + "..."}
+
+
 async def serve(addr: str, port: int, size: int, timeout: float, creds: Credentials | None = None,
-                stats: RendezvousStats | None = None, bound: "asyncio.Future[int] | None" = None) -> None:
+                stats: RendezvousStats | None = None, bound: "asyncio.Future[int] | None" = None,
+                failed: str = "") -> None:
     """Rank 0: collect ``size`` registrations, check them, send everyone the table.
 
     ``port`` 0 binds a free port, which ``bound`` is given. On a failure (a rank twice, a world
-    size that differs, ranks that never came) every rank that registered gets the cause, and for
-    up to ``LINGER`` seconds so does every rank that registers after it."""
+    size that differs, ranks that never came, a rank that registers the error it failed with)
+    every rank that registered gets the cause, and for up to ``LINGER`` seconds so does every
+    rank that registers after it. ``failed``: rank 0 itself failed during init with this error,
+    which is all this server answers (rank 0 does not register)."""
     creds = creds or Credentials("null")
     stats = stats if stats is not None else RendezvousStats()
     domain = AUTH.register("the rendezvous", creds)
@@ -256,7 +273,7 @@ async def serve(addr: str, port: int, size: int, timeout: float, creds: Credenti
         stats.last_endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
         if bound is not None and not bound.done():
             bound.set_result(int(stats.last_endpoint.rsplit(":", 1)[1]))
-        error = ""
+        error = failed
         try:
             async with asyncio.timeout_at(deadline):
                 while len(entries) < size and not error:
@@ -265,6 +282,9 @@ async def serve(addr: str, port: int, size: int, timeout: float, creds: Credenti
                         continue
                     ident, info = received
                     waiting.append((ident, info["rank"]))
+                    if info.get("error"):
+                        error = str(info["error"])
+                        continue
                     error = _conflict(info, entries, size)
                     entries.setdefault(info["rank"], info)
         except TimeoutError:
@@ -281,7 +301,8 @@ async def serve(addr: str, port: int, size: int, timeout: float, creds: Credenti
             reply = {"error": f"the table of {size} ranks is over {MAX_MESSAGE} bytes"}
         await _answer(sock, waiting, reply)
         if reply.get("error"):
-            await _linger(sock, stats, {r for _, r in waiting}, size, reply, min(deadline, loop.time() + LINGER))
+            told = {r for _, r in waiting} | ({0} if failed else set())
+            await _linger(sock, stats, told, size, reply, min(deadline, loop.time() + LINGER))
     finally:  # sockets closed before any await (see register)
         watcher.cancel()
         sock.disable_monitor()

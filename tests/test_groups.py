@@ -277,3 +277,72 @@ async def test_traces_of_groups_are_named_after_their_domain(tmp_path: Path,
     names = sorted(p.name.split(".")[0] + "." + p.name.split(".")[1] for p in tmp_path.glob("*.g*.json"))
     assert names == ["rank0of2.g1"] * 2 + ["rank1of2.g1"] * 2, names
     assert len(list(tmp_path.glob("rank*of4.*.json"))) == 4
+
+
+async def test_a_rank_that_cannot_make_its_buffers_fails_every_rank(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rank 1's /dev/shm is full when the group's buffers are made: it raises its ConfigError and
+    every other rank a TransportError naming it (before: they waited in the next round)."""
+    from ahcomm import _groups
+
+    make = _groups._make_buffers
+
+    def failing(parent: ahcomm.Comm, group: tuple[int, ...], nbytes: int) -> Any:
+        if parent.rank == 1:
+            raise ahcomm.ConfigError("not enough shared memory for the CCL buffers: /dev/shm is 64 MiB")
+        return make(parent, group, nbytes)
+
+    monkeypatch.setattr(_groups, "_make_buffers", failing)
+    comms = await world(4)
+    results = await asyncio.wait_for(asyncio.gather(*(c.split(c.rank % 2) for c in comms),
+                                                    return_exceptions=True), 10)
+    assert isinstance(results[1], ahcomm.ConfigError) and "/dev/shm is 64 MiB" in str(results[1]), results
+    for r in (0, 2, 3):
+        err = results[r]
+        assert isinstance(err, ahcomm.TransportError), results
+        assert ("split: rank 1 could not create its CCL buffers for the new sub-communicator: ConfigError: not "
+                "enough shared memory" in str(err)), err
+    monkeypatch.setattr(_groups, "_make_buffers", make)
+    groups = await asyncio.gather(*(c.split(c.rank % 2) for c in comms))  # the parent is still fine
+    assert all(g is not None and g.size == 2 for g in groups)
+    await close_all(comms)
+
+
+NO_ROOM = """
+import asyncio, errno, os, numpy as np, ahcomm
+
+async def main():
+    comm = await ahcomm.init()
+    async with comm:
+        if comm.rank == 1:  # /dev/shm is full when rank 1 makes the group's buffers (real SharedRegion)
+            def enospc(fd: int, offset: int, length: int) -> None:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            os.posix_fallocate = enospc
+        try:
+            await comm.split(0, buffsize=1 << 20)
+        except ahcomm.AhcommError as exc:
+            print(f"rank {comm.rank} raised {type(exc).__name__}: {exc}", flush=True)
+        y = await comm.all_reduce(np.ones(4))  # the parent is still fine
+        print(f"rank {comm.rank} sum={y[0]:.0f}", flush=True)
+
+asyncio.run(main())
+"""
+
+
+@pytest.mark.multiprocess
+def test_a_member_without_room_for_the_group_buffers_fails_every_rank(tmp_path: Path) -> None:
+    """Over real sdma links: rank 1's /dev/shm has no room for the group's CCL buffers; every rank
+    raises (before: ranks 0 and 2 waited in the next round until the collective timed out)."""
+    script = tmp_path / "no_room.py"
+    script.write_text(NO_ROOM)
+    proc = run_job(3, str(script), grace=20, timeout=60, env={"AHCOMM_TRANSPORT": "sdma", "AHCOMM_BUFFSIZE": "1"})
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    raised = sorted(line.split("] ", 1)[-1] for line in out.splitlines() if " raised " in line)
+    assert [line[:26] for line in raised] == ["rank 0 raised TransportErr", "rank 1 raised ConfigError:",
+                                              "rank 2 raised TransportErr"], out
+    assert "not enough shared memory for the CCL buffers" in raised[1], out
+    for line in (raised[0], raised[2]):
+        assert ("split: rank 1 could not create its CCL buffers for the new sub-communicator: ConfigError: not "
+                "enough shared memory for the CCL buffers" in line), out
+    assert sorted(line.split("] ", 1)[-1] for line in out.splitlines() if "sum=" in line) == [
+        f"rank {r} sum=3" for r in range(3)], out

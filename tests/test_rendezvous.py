@@ -20,8 +20,8 @@ import asyncio, os, sys, ahcomm
 async def main():
     try:
         comm = await ahcomm.init()
-    except ahcomm.ConnectError as exc:
-        print("ConnectError:", exc, flush=True)
+    except ahcomm.AhcommError as exc:
+        print(f"{type(exc).__name__}:", exc, flush=True)
         sys.exit(3)
     print("joined", comm.rank, flush=True)
     await comm.close()
@@ -30,14 +30,15 @@ asyncio.run(main())
 
 
 def start(ranks: list[int], size: int, *, timeout: float, secrets: dict[int, str] | None = None,
-          wait: float = 60) -> list[str]:
+          wait: float = 60, extra: dict[int, dict[str, str]] | None = None) -> list[str]:
     """Start ``ranks`` by hand, as ahcomm-run would; every one must fail; return their outputs."""
     port = free_port()
     procs = []
     for index, rank in enumerate(ranks):
         env = job_env({"AHCOMM_RANK": str(rank), "AHCOMM_WORLD_SIZE": str(size), "AHCOMM_MASTER_ADDR": "127.0.0.1",
                        "AHCOMM_MASTER_PORT": str(port), "AHCOMM_CONNECT_TIMEOUT": str(timeout),
-                       "AHCOMM_JOB_SECRET": (secrets or {}).get(index, SECRET), "AHCOMM_BUFFSIZE": "0.0625"},
+                       "AHCOMM_JOB_SECRET": (secrets or {}).get(index, SECRET), "AHCOMM_BUFFSIZE": "0.0625",
+                       **(extra or {}).get(index, {})},
                       drop=["RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID"])
         procs.append(subprocess.Popen([sys.executable, "-c", PROGRAM], env=env, cwd=ROOT, text=True,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
@@ -75,3 +76,17 @@ def test_a_rank_whose_rank_0_never_started_says_so() -> None:
     [out] = start([1], 2, timeout=2)
     assert "nothing accepted a connection there (is rank 0 running?" in out, out
 
+
+
+@pytest.mark.parametrize("failing", [1, 0])
+def test_a_rank_that_fails_before_it_registers_fails_every_rank_at_once(failing: int) -> None:
+    """One rank's init raises before it registers (here a bad AHCOMM_SOCKET_IFNAME; a full
+    /dev/shm in test_shm): it raises its own error and every other rank hears it from the
+    rendezvous within seconds, not after the 60 s connect timeout (ranks started by hand: no
+    launcher stops them)."""
+    outs = start([0, 1, 2], 3, timeout=60, wait=40, extra={failing: {"AHCOMM_SOCKET_IFNAME": "=nosuchif0"}})
+    assert outs[failing].startswith("ConfigError: AHCOMM_SOCKET_IFNAME='=nosuchif0' matches no interface"), outs
+    for rank, out in enumerate(outs):
+        if rank != failing:
+            assert out.startswith(f"ConnectError: rank {rank}: rank 0's rendezvous failed: rank {failing} failed "
+                                  "during init: ConfigError: AHCOMM_SOCKET_IFNAME='=nosuchif0' matches no"), outs

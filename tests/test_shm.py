@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import errno
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -105,6 +106,67 @@ def test_a_dev_shm_already_full_is_an_error_not_sigbus(tmp_path: Path) -> None:
     for line in raised:
         assert "ConfigError: not enough shared memory for the CCL buffers: /dev/shm is 64 MiB" in line, line
         assert "this rank could not reserve its part of 2 rank(s) on this host x 2 buffers x 4 MiB" in line, line
+
+
+def by_hand_job(tmp_path: Path, size: int, first: list[int], last: list[int]) -> list[str]:
+    """Ranks started by hand (as torchrun or a script would, no ahcomm-run to stop the others) in
+    a private 64 MiB /dev/shm: ``first`` make their buffers and wait in the rendezvous, then the
+    rest of /dev/shm is filled (another job, say), then ``last`` start and cannot make theirs.
+    Returns the lines the ranks printed, in rank order; every rank must have ended within 40 s
+    (the connect timeout is 60 s: a rank that waited it out fails the test)."""
+    why = _namespaces()
+    if why:
+        pytest.skip(why)
+    script = tmp_path / "prog.py"
+    script.write_text(PROGRAM)
+    port = free_port()
+
+    def rank(r: int) -> str:
+        out = shlex.quote(str(tmp_path / f"rank{r}.out"))
+        return f"AHCOMM_RANK={r} {shlex.quote(sys.executable)} {shlex.quote(str(script))} > {out} 2>&1 &"
+
+    shell = "\n".join([
+        "mount -t tmpfs -o size=64m tmpfs /dev/shm || exit 9",
+        *(rank(r) for r in first),
+        f"until [ $(ls /dev/shm | grep -c -e '-in-' -e '-out-') -ge {2 * len(first)} ]; do sleep 0.05; done",
+        "sleep 0.5; head -c 64m /dev/zero > /dev/shm/other-data 2>/dev/null",  # full: no room for the last
+        *(rank(r) for r in last),
+        "wait",
+    ])
+    env = job_env({"AHCOMM_WORLD_SIZE": str(size), "AHCOMM_MASTER_ADDR": "127.0.0.1", "AHCOMM_MASTER_PORT": str(port),
+                   "AHCOMM_CONNECT_TIMEOUT": "60", "AHCOMM_JOB_SECRET": "shm-test-secret-0123456789abcdef",
+                   "AHCOMM_BUFFSIZE": "4", "AHCOMM_MAILBOX_BYTES": "0"},
+                  drop=["RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "AHCOMM_TRANSPORT",
+                        "LOCAL_WORLD_SIZE", "AHCOMM_LOCAL_WORLD_SIZE"])
+    proc = subprocess.Popen(["unshare", "-m", "sh", "-c", shell], env=env, cwd=ROOT, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        out = proc.communicate(timeout=40)[0]
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out = proc.communicate()[0]
+    outs = [(tmp_path / f"rank{r}.out").read_text() for r in range(size)]
+    if proc.returncode != 0:
+        pytest.fail(f"the ranks still waited after 40 s (or the shell failed):\n{out}{''.join(outs)}")
+    return [line for text in outs for line in text.splitlines() if line.startswith("rank ") and " raised " in line]
+
+
+@pytest.mark.parametrize("short", [2, 0])
+def test_a_rank_that_finds_dev_shm_full_fails_every_rank_started_by_hand(tmp_path: Path, short: int) -> None:
+    """Only rank ``short`` finds no room; the others already wait in the rendezvous. Before, that
+    rank raised and the others waited out AHCOMM_CONNECT_TIMEOUT (no ahcomm-run to stop them);
+    now its error reaches them through rank 0's rendezvous (rank 0 serves it when rank 0 failed)."""
+    others = [r for r in range(3) if r != short]
+    lines = by_hand_job(tmp_path, 3, others, [short])
+    assert [line[:7] for line in lines] == ["rank 0 ", "rank 1 ", "rank 2 "], lines
+    for line in lines:
+        if line.startswith(f"rank {short} "):
+            assert "raised ConfigError: not enough shared memory for the CCL buffers: /dev/shm is 64 MiB" in line, line
+            assert "this rank could not reserve" in line, line
+        else:
+            assert "raised ConnectError: " in line, line
+            assert (f"rank {short} failed during init: ConfigError: not enough shared memory for the CCL buffers: "
+                    "/dev/shm is 64 MiB" in line and "--shm-size" in line), line
 
 
 def test_reserving_a_segment_that_does_not_fit_unlinks_it(monkeypatch: pytest.MonkeyPatch) -> None:
