@@ -1,0 +1,204 @@
+"""The torch backend's machinery: one event loop thread per process, its Work, bootstrap.
+
+torch calls a process group's methods synchronously from the user's thread. Every
+communicator the backend makes lives on one asyncio loop in a daemon thread (``LoopThread``);
+each call is handed to that loop with ``call_soon_threadsafe`` in call order, so the
+collectives take their sequence numbers in the order the user issued them, as on every
+other rank. The caller gets an ``AhcommWork`` at once: ``wait()`` blocks on a
+``concurrent.futures.Future`` the loop completes; ``get_future()`` is a ``torch.futures.Future``
+completed from a separate completion thread, so callbacks chained on it (DDP's) never
+stall the loop.
+
+Bootstrap (``connect``): rank 0 of the group makes a root-info token
+(``ahcomm.get_root_info``: its address, a free port and the job secret - AHCOMM_JOB_SECRET,
+else a new random one) and puts it in the store torch hands the backend; the other ranks
+read it there. No AHCOMM_* variable is needed; the store is torch's (authenticated or not
+as the user set it up), and the token travels only through it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import dataclasses
+import datetime
+import threading
+from typing import Any, Awaitable, Callable, Coroutine, TypeVar
+
+import torch
+import torch.distributed as dist
+
+from ._api import init as ahcomm_init
+from ._bootstrap import create
+from ._comm import Comm
+from ._config import Config
+from ._errors import CollectiveTimeout, CommunicationError
+from ._rootinfo import config_from_root_info, get_root_info
+
+T = TypeVar("T")
+ROOT_INFO_KEY = "ahcomm/root_info"
+POLL = 1.0  # seconds between checks that the loop thread is alive while a wait() blocks
+
+
+class LoopThread:
+    """An asyncio loop in a daemon thread, where every communicator of the backend runs."""
+
+    _instance: "LoopThread | None" = None
+    _lock = threading.Lock()
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._main, name="ahcomm-torch-loop", daemon=True)
+        self._thread.start()
+        self.completer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ahcomm-torch-futures")
+
+    @classmethod
+    def get(cls) -> "LoopThread":
+        """The process's loop thread (started on first use)."""
+        with cls._lock:
+            if cls._instance is None or not cls._instance.alive:
+                cls._instance = LoopThread()
+            return cls._instance
+
+    def _main(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        self.loop.run_forever()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and not self.loop.is_closed()
+
+    def run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
+        """Run ``coro`` on the loop and block until it returns (bounded by ``timeout``)."""
+        future = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        try:
+            return future.result(timeout)
+        except concurrent.futures.TimeoutError:
+            future.cancel()
+            raise TimeoutError(f"ahcomm torch backend: no answer within {timeout:g} s") from None
+
+    def submit(self, start: Callable[[], Awaitable[Any]],
+               then: Callable[[Any], Any] | None = None) -> "concurrent.futures.Future[Any]":
+        """Call ``start()`` on the loop (in submission order) and complete the returned future
+        with its result, passed through ``then`` (on the loop) when given."""
+        done: concurrent.futures.Future[Any] = concurrent.futures.Future()
+
+        def finished(fut: "asyncio.Future[Any]") -> None:
+            if fut.cancelled():
+                done.set_exception(CommunicationError("ahcomm: the collective was cancelled"))
+            elif fut.exception() is not None:
+                done.set_exception(fut.exception())  # type: ignore[arg-type]
+            else:
+                try:
+                    done.set_result(then(fut.result()) if then is not None else fut.result())
+                except BaseException as exc:  # noqa: BLE001 - handed to wait()
+                    done.set_exception(exc)
+
+        def issue() -> None:
+            try:
+                fut = asyncio.ensure_future(start())
+            except BaseException as exc:  # noqa: BLE001 - a bad call: its error is wait()'s
+                done.set_exception(exc)
+                return
+            fut.add_done_callback(finished)
+
+        self.loop.call_soon_threadsafe(issue)
+        return done
+
+
+def torch_error(exc: BaseException) -> BaseException:
+    """An ahcomm error as torch reports it: timeouts stay ``CollectiveTimeout`` (a TimeoutError);
+    other communication failures (a dead peer, a mismatch) become ``DistBackendError`` with
+    the ahcomm error as the cause; bad calls (ValueError / TypeError subclasses) stay as they are."""
+    if isinstance(exc, CommunicationError) and not isinstance(exc, CollectiveTimeout):
+        err = dist.DistBackendError(f"ahcomm: {type(exc).__name__}: {exc}")
+        err.__cause__ = exc
+        return err
+    return exc
+
+
+class AhcommWork(dist.Work):
+    """One call in flight: ``wait()`` blocks until it is done (raising its error),
+    ``get_future()`` is completed with ``outputs`` (the tensors the call wrote), as gloo's."""
+
+    def __init__(self, done: "concurrent.futures.Future[Any]", outputs: list[Any], loop: LoopThread) -> None:
+        super().__init__()
+        self._done = done
+        self._outputs = outputs
+        self._loop = loop
+        self._future: torch.futures.Future[Any] | None = None
+        self._lock = threading.Lock()
+
+    def wait(self, timeout: datetime.timedelta = datetime.timedelta(0)) -> bool:
+        """Block until the call is done; raise its error. ``timeout`` (0: none beyond the
+        process group's, which the collective itself enforces) bounds this wait."""
+        limit = timeout.total_seconds() if timeout else 0.0
+        waited = 0.0
+        while True:
+            step = POLL if not limit else min(POLL, max(0.0, limit - waited))
+            try:
+                self._done.result(step)
+                return True
+            except concurrent.futures.TimeoutError:
+                waited += step
+                if not self._loop.alive:
+                    raise dist.DistBackendError("ahcomm: the backend's event loop thread stopped") from None
+                if limit and waited >= limit:
+                    raise TimeoutError(f"ahcomm: Work.wait timed out after {limit:g} s") from None
+            except BaseException as exc:
+                raise torch_error(exc) from exc.__cause__
+
+    def is_completed(self) -> bool:
+        return self._done.done()
+
+    def is_success(self) -> bool:
+        return self._done.done() and self._done.exception() is None
+
+    def exception(self) -> BaseException | None:
+        if not self._done.done():
+            return None
+        exc = self._done.exception()
+        return None if exc is None else torch_error(exc)
+
+    def result(self) -> list[Any]:
+        self.wait()
+        return self._outputs
+
+    def synchronize(self) -> None:
+        self.wait()
+
+    def get_future(self) -> "torch.futures.Future[Any]":
+        with self._lock:
+            if self._future is None:
+                future: torch.futures.Future[Any] = torch.futures.Future()
+                self._future = future
+                self._done.add_done_callback(
+                    lambda done: self._loop.completer.submit(self._complete, future, done))
+            return self._future
+
+    def _complete(self, future: "torch.futures.Future[Any]", done: "concurrent.futures.Future[Any]") -> None:
+        exc = done.exception()
+        if exc is None:
+            future.set_result(self._outputs)
+        else:
+            future.set_exception(torch_error(exc))
+
+
+def connect(store: Any, rank: int, size: int, timeout: float, *, world: bool) -> Comm:
+    """A communicator for this group's ``size`` ranks, bootstrapped through torch's ``store``.
+
+    The world group's becomes ahcomm's default communicator (``ahcomm.default_comm()``),
+    on the backend's loop."""
+    loop = LoopThread.get()
+    base = Config.from_env()
+    base = dataclasses.replace(base, exec_timeout=timeout, connect_timeout=min(base.connect_timeout, timeout))
+    if size == 1:
+        config = dataclasses.replace(base, rank=0, world_size=1)
+    else:
+        if rank == 0:
+            store.set(ROOT_INFO_KEY, get_root_info())
+        token = bytes(store.get(ROOT_INFO_KEY)).decode()
+        config = config_from_root_info(token, base)
+    if world:
+        return loop.run(ahcomm_init(config=config, rank=rank, world_size=size), timeout + 5)
+    return loop.run(create(config, rank=rank, world_size=size), timeout + 5)
