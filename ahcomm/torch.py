@@ -34,7 +34,8 @@ from ._torch_work import AhcommWork, LoopThread, connect
 __all__ = ["ProcessGroupAhcomm", "create_process_group", "BACKEND"]
 
 BACKEND = "ahcomm"
-_R = dist.ReduceOp.RedOpType
+_R: Any = dist.ReduceOp.RedOpType  # torch's stubs lag its bindings (RedOpType's members, ProcessGroup's
+_ProcessGroup: Any = dist.ProcessGroup  # constructor and overloads): both are used as torch documents them
 _OPS = {_R.SUM: "sum", _R.AVG: "avg", _R.PRODUCT: "prod", _R.MIN: "min", _R.MAX: "max",
         _R.BAND: "band", _R.BOR: "bor", _R.BXOR: "bxor"}
 
@@ -85,7 +86,7 @@ def _out_view(h: _Host) -> np.ndarray | None:
     return h.array.reshape(-1) if h.array.flags.c_contiguous else None
 
 
-class ProcessGroupAhcomm(dist.ProcessGroup):
+class ProcessGroupAhcomm(_ProcessGroup):  # type: ignore[misc]
     """A torch process group whose collectives run on an ahcomm communicator."""
 
     def __init__(self, comm: Comm, rank: int, size: int, timeout: float) -> None:
@@ -220,10 +221,11 @@ class ProcessGroupAhcomm(dist.ProcessGroup):
             ins = [_Host(t) for t in input_tensors[0]]
             self._check_count(ins, "scatter input list")
             source = np.concatenate([h.flat() for h in ins])
+        else:  # shape and dtype only, no memory (Comm.scatter(None, out=...) cannot be used on non-roots yet)
+            source = np.broadcast_to(np.zeros(1, y.array.dtype), (y.array.size * self.size(),))
         view = _out_view(y)
-        template = view if view is not None else np.empty(y.array.size, y.array.dtype)
         timeout = self._timeout
-        return self._run(lambda comm: comm.scatter(source, root, out=template, timeout=timeout), output_tensors,
+        return self._run(lambda comm: comm.scatter(source, root, out=view, timeout=timeout), output_tensors,
                          lambda result: y.put(result))
 
     def reduce_scatter(self, output_tensors: list[Any], input_tensors: list[list[Any]],
