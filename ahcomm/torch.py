@@ -98,6 +98,27 @@ class ProcessGroupAhcomm(_ProcessGroup):  # type: ignore[misc]
     def getBackendName(self) -> str:  # noqa: N802 - torch's name
         return BACKEND
 
+    # torch names groups after creating them; a ProcessGroup without C++ backends keeps the name here
+    def _set_group_name(self, name: str) -> None:
+        self._name = name
+
+    def _set_group_desc(self, desc: str) -> None:
+        self._desc = desc
+
+    def getGroupName(self) -> str:  # noqa: N802 - torch's name (C++ callers: functional collectives)
+        return getattr(self, "_name", "")
+
+    def getGroupDesc(self) -> str:  # noqa: N802
+        return getattr(self, "_desc", "")
+
+    @property
+    def group_name(self) -> str:
+        return self.getGroupName()
+
+    @property
+    def group_desc(self) -> str:
+        return self.getGroupDesc()
+
     def __repr__(self) -> str:
         return f"ProcessGroupAhcomm(rank={self.rank()}, size={self.size()})"
 

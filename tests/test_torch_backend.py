@@ -60,8 +60,11 @@ def test_every_op_under_ahcomm_run() -> None:
 
 
 @pytest.mark.multiprocess
-def test_ddp_trains_to_the_weights_of_one_process() -> None:
-    proc = torchrun("ddp")
+@pytest.mark.parametrize("wrap", ["ddp", "fsdp"])
+def test_training_reaches_the_weights_of_one_process(wrap: str) -> None:
+    """DDP (gradient all_reduce in buckets, through futures) and FSDP2 (all_gather_into_tensor,
+    reduce_scatter_tensor) on 2 ranks, each with half the batch, match one process on all of it."""
+    proc = torchrun(wrap)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     lines = {line.split(" ", 1)[0]: np.array(line.split()[1:], float) for line in proc.stdout.splitlines()
              if line.startswith(("WEIGHTS", "REFERENCE"))}

@@ -1,7 +1,7 @@
 """A rank of the torch backend tests (tests/test_torch_backend.py): ``python torch_worker.py MODE``.
 
-Modes: ``ops`` (every dist.* call against numpy, and against gloo where gloo has it), ``ddp``
-(prints the trained weights), ``dead`` (rank 1 dies; rank 0 reports what wait() raised and
+Modes: ``ops`` (every dist.* call against numpy, and against gloo where gloo has it), ``ddp`` and
+``fsdp`` (print the trained weights and one process's), ``dead`` (rank 1 dies; rank 0 reports what wait() raised and
 how long it took). Each check prints ``OK name``; a failed check raises (the rank exits 1).
 """
 
@@ -245,23 +245,34 @@ def ops() -> None:
 
 
 def ddp() -> None:
-    """A small model trained with DDP on this rank's shard; prints the final weights."""
-    backend = sys.argv[2] if len(sys.argv) > 2 else "ahcomm"
-    dist.init_process_group(backend)
+    """A small model trained with DDP (``ddp``) or FSDP2 (``fsdp``) on this rank's shard; rank 0
+    prints the final weights and those of one process trained on the whole batch."""
+    dist.init_process_group("ahcomm")
     n, me = dist.get_world_size(), dist.get_rank()
-    model = train(n, me, distributed=True)
+    model = train(n, me, wrap=sys.argv[1])
+    weights = [p.full_tensor() if hasattr(p, "full_tensor") else p for p in model.parameters()]
     if me == 0:
-        reference = train(n, 0, distributed=False)  # one process, the whole batch
-        for name, m in (("WEIGHTS", model), ("REFERENCE", reference)):
-            flat = torch.cat([p.detach().reshape(-1) for p in m.parameters()])
+        reference = list(train(n, 0, wrap="").parameters())  # one process, the whole batch
+        for name, ps in (("WEIGHTS", weights), ("REFERENCE", reference)):
+            flat = torch.cat([p.detach().reshape(-1) for p in ps])
             print(f"{name} " + " ".join(f"{v:.9g}" for v in flat.tolist()), flush=True)
     dist.destroy_process_group()
 
 
-def train(n: int, me: int, *, distributed: bool) -> torch.nn.Module:
+def train(n: int, me: int, *, wrap: str) -> torch.nn.Module:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
-    net = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.0005) if distributed else model
+    net: torch.nn.Module = model
+    if wrap == "ddp":
+        net = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.0005)  # several buckets
+    elif wrap == "fsdp":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (n,))
+        for layer in (model[0], model[2], model):
+            fully_shard(layer, mesh=mesh)
+    distributed = bool(wrap)
     opt = torch.optim.SGD(net.parameters(), lr=0.1)
     data = torch.Generator().manual_seed(1)
     for _ in range(5):
@@ -294,4 +305,4 @@ def dead() -> None:
 
 
 if __name__ == "__main__":
-    {"ops": ops, "ddp": ddp, "dead": dead}[sys.argv[1]]()
+    {"ops": ops, "ddp": ddp, "fsdp": ddp, "dead": dead}[sys.argv[1]]()
