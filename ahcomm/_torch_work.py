@@ -71,11 +71,11 @@ class LoopThread:
     def run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
         """Run ``coro`` on the loop and block until it returns (bounded by ``timeout``)."""
         future = asyncio.run_coroutine_threadsafe(coro, self.loop)
-        try:
-            return future.result(timeout)
-        except concurrent.futures.TimeoutError:
+        # not result(timeout): its TimeoutError is also what a failed collective raises (CollectiveTimeout)
+        if not concurrent.futures.wait([future], timeout).done:
             future.cancel()
-            raise TimeoutError(f"ahcomm torch backend: no answer within {timeout:g} s") from None
+            raise TimeoutError(f"ahcomm torch backend: no answer within {timeout:g} s")
+        return future.result()
 
     def submit(self, start: Callable[[], Awaitable[Any]],
                then: Callable[[Any], Any] | None = None) -> "concurrent.futures.Future[Any]":
@@ -134,19 +134,18 @@ class AhcommWork(dist.Work):
         process group's, which the collective itself enforces) bounds this wait."""
         limit = timeout.total_seconds() if timeout else 0.0
         waited = 0.0
-        while True:
-            step = POLL if not limit else min(POLL, max(0.0, limit - waited))
-            try:
-                self._done.result(step)
-                return True
-            except concurrent.futures.TimeoutError:
-                waited += step
-                if not self._loop.alive:
-                    raise dist.DistBackendError("ahcomm: the backend's event loop thread stopped") from None
-                if limit and waited >= limit:
-                    raise TimeoutError(f"ahcomm: Work.wait timed out after {limit:g} s") from None
-            except BaseException as exc:
-                raise torch_error(exc) from exc.__cause__
+        # concurrent.futures.wait, not result(step): result's TimeoutError ("not yet") is the same
+        # class as a collective's own CollectiveTimeout, which must be raised, not waited on
+        while not concurrent.futures.wait([self._done], POLL if not limit else min(POLL, limit - waited)).done:
+            waited += POLL if not limit else min(POLL, limit - waited)
+            if not self._loop.alive:
+                raise dist.DistBackendError("ahcomm: the backend's event loop thread stopped")
+            if limit and waited >= limit:
+                raise TimeoutError(f"ahcomm: Work.wait timed out after {limit:g} s")
+        exc = self._done.exception()
+        if exc is not None:
+            raise torch_error(exc) from exc.__cause__
+        return True
 
     def is_completed(self) -> bool:
         return self._done.done()

@@ -81,6 +81,15 @@ def test_dead_peer_raises_from_wait() -> None:
     assert "PeerFailure" in proc.stdout and "rank 1" in proc.stdout, proc.stdout
 
 
+@pytest.mark.multiprocess
+def test_group_timeout_raises_from_wait() -> None:
+    """A rank that never joins: the other's wait() raises CollectiveTimeout (a TimeoutError) once
+    the group's timeout (5 s) has passed - it was once taken for "not done yet" and waited on forever."""
+    proc = torchrun("timeout", timeout=120)  # a hang fails here
+    assert "RAISED CollectiveTimeout TimeoutError=True" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "rank 1 had not arrived" in proc.stdout, proc.stdout
+
+
 def test_import_registers_the_backend() -> None:
     assert "ahcomm" in dist.Backend.backend_list
     assert dist.Backend("ahcomm") == "ahcomm"

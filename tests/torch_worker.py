@@ -304,5 +304,27 @@ def dead() -> None:
     os._exit(1)
 
 
+def timeout() -> None:
+    """Rank 1 never joins the second all_reduce; rank 0's wait() must raise once the group's
+    timeout (5 s) has passed."""
+    import datetime
+
+    dist.init_process_group("ahcomm", timeout=datetime.timedelta(seconds=5))
+    me = dist.get_rank()
+    dist.all_reduce(torch.ones(4))
+    if me == 1:
+        time.sleep(12)
+        os._exit(0)
+    start = time.monotonic()
+    try:
+        dist.all_reduce(torch.ones(4), async_op=True).wait()
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        print(f"RAISED {type(exc).__name__} TimeoutError={isinstance(exc, TimeoutError)} after "
+              f"{time.monotonic() - start:.1f} s: {exc}"[:400], flush=True)
+        os._exit(0)
+    print("NO ERROR", flush=True)
+    os._exit(1)
+
+
 if __name__ == "__main__":
-    {"ops": ops, "ddp": ddp, "fsdp": ddp, "dead": dead}[sys.argv[1]]()
+    {"ops": ops, "ddp": ddp, "fsdp": ddp, "dead": dead, "timeout": timeout}[sys.argv[1]]()
