@@ -135,3 +135,12 @@ def test_single_rank_group_in_process() -> None:
         dist.barrier()
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.multiprocess
+def test_ddp_example_runs_under_torchrun() -> None:
+    proc = subprocess.run([*TORCHRUN, str(ROOT / "examples" / "torch_ddp.py"), "--steps", "10"], cwd=ROOT,
+                          env=job_env({"PYTHONPATH": str(ROOT)}, drop=[k for k in os.environ if k.startswith("AHCOMM_")]),
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "rank 1/2: final loss" in proc.stdout and proc.stdout.rstrip().endswith("OK"), proc.stdout
