@@ -144,7 +144,7 @@ class AhcommWork(dist.Work):
                 raise TimeoutError(f"ahcomm: Work.wait timed out after {limit:g} s")
         exc = self._done.exception()
         if exc is not None:
-            raise torch_error(exc) from exc.__cause__
+            raise torch_error(exc)  # a DistBackendError keeps the ahcomm error as its __cause__
         return True
 
     def is_completed(self) -> bool:

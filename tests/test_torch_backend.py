@@ -77,7 +77,7 @@ def test_training_reaches_the_weights_of_one_process(wrap: str) -> None:
 @pytest.mark.multiprocess
 def test_dead_peer_raises_from_wait() -> None:
     proc = torchrun("dead", timeout=120)  # a hang fails here
-    assert "RAISED DistBackendError" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "RAISED DistBackendError (cause PeerFailure)" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "PeerFailure" in proc.stdout and "rank 1" in proc.stdout, proc.stdout
 
 

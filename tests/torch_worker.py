@@ -298,7 +298,8 @@ def dead() -> None:
     try:
         dist.all_reduce(torch.ones(1 << 16), async_op=True).wait()
     except Exception as exc:  # noqa: BLE001 - reported to the test
-        print(f"RAISED {type(exc).__name__} after {time.monotonic() - start:.1f} s: {exc}"[:400], flush=True)
+        print(f"RAISED {type(exc).__name__} (cause {type(exc.__cause__).__name__}) after "
+              f"{time.monotonic() - start:.1f} s: {exc}"[:400], flush=True)
         os._exit(0)
     print("NO ERROR", flush=True)
     os._exit(1)
