@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
+import os
+import shutil
 import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Iterator
 
 import pytest
 
@@ -54,3 +61,52 @@ def test_local_world_size_from_tasks_per_node() -> None:
     assert local_world_size({"SLURM_STEP_TASKS_PER_NODE": "4"}) is None
     with pytest.raises(ConfigError, match="tasks per node"):
         expand_tasks_per_node("4(y2)")
+
+
+# -- a real single-node Slurm ---------------------------------------------------------------
+HERE = Path(__file__).parent
+ROOT = HERE.parent
+
+
+def _why_no_slurm() -> str | None:
+    if os.geteuid() != 0:
+        return "starting slurmctld/slurmd/munged needs root"
+    missing = [b for b in ("srun", "slurmctld", "slurmd", "munged") if shutil.which(b) is None]
+    if missing:
+        return f"Slurm is not installed ({', '.join(missing)} missing: apt-get install slurm-wlm munge)"
+    return None
+
+
+@pytest.fixture(scope="module")
+def slurm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
+    why = _why_no_slurm()
+    if why:
+        pytest.skip(why)
+    conf_dir = tmp_path_factory.mktemp("slurm")
+    subprocess.run(["bash", str(HERE / "slurm_start.sh"), str(conf_dir)], check=True, timeout=60,
+                   capture_output=True)
+    env = {**os.environ, "SLURM_CONF": str(conf_dir / "slurm.conf"), "PYTHONPATH": str(ROOT)}
+    try:
+        deadline = time.monotonic() + 30
+        while "idle" not in subprocess.run(["sinfo", "-h", "-o", "%t"], env=env, capture_output=True,
+                                           text=True, timeout=20).stdout:
+            if time.monotonic() > deadline:
+                pytest.fail("the test's Slurm node did not become idle: " + (conf_dir / "slurmctld.log").read_text()[-2000:])
+            time.sleep(0.5)
+        yield env
+    finally:
+        subprocess.run(["bash", str(HERE / "slurm_stop.sh"), str(conf_dir)], timeout=30)
+
+
+@pytest.mark.multiprocess
+def test_srun_with_only_the_job_secret(slurm: dict[str, str]) -> None:
+    """srun -n 2 on a real Slurm: the rendezvous comes from the step's node list, job and step ids."""
+    env = {k: v for k, v in slurm.items() if not k.startswith(("AHCOMM_", "MASTER_", "RANK", "WORLD_SIZE"))}
+    env["AHCOMM_JOB_SECRET"] = "s" * 32
+    proc = subprocess.run(["srun", "-n", "2", sys.executable, str(HERE / "slurm_prog.py")], env=env,
+                          capture_output=True, text=True, timeout=180, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = sorted(line for line in proc.stdout.splitlines() if line.startswith("rank "))
+    assert len(lines) == 2, proc.stdout
+    assert lines[0].startswith("rank 0/2 local_size=2") and lines[1].startswith("rank 1/2 local_size=2")
+    assert all(line.endswith("sum=[3.0, 3.0, 3.0, 3.0]") for line in lines), lines
