@@ -8,10 +8,11 @@ subclass ProcessGroup, not Backend): torch's ``dist.*`` functions call its metho
 turn tensors into numpy views (zero copy for CPU tensors, ``out=`` the tensor itself where
 the layout allows) and hand the collective to the backend's event loop thread
 (``_torch_work``). Tensors on an accelerator go through host copies (staged before the call,
-written back before ``wait()`` returns). Under ahcomm-run, importing this module also gives
+written back before ``wait()`` returns). Under ahcomm-run or srun, importing this module also gives
 torch's ``env://`` rendezvous the job's rank, size and address (``RANK``, ``WORLD_SIZE``,
-``MASTER_ADDR``, ``MASTER_PORT`` from the AHCOMM_* ones, where unset): the torch store then
-listens on the port ahcomm-run reserved, and ahcomm's own rendezvous goes through that store.
+``MASTER_ADDR``, ``MASTER_PORT``, where unset: from the AHCOMM_* variables, or from the Slurm
+step): the torch store then listens on the port ahcomm-run reserved (or the step's derived
+port), and ahcomm's own rendezvous goes through that store.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from . import _slurm
 from ._collectives import Gathered
 from ._comm import Comm
 from ._devices import _tensor_numpy
@@ -390,14 +392,29 @@ def create_process_group(store: Any, rank: int, size: int, timeout: datetime.tim
 
 
 def _torch_env_from_ahcomm_run(env: Any = os.environ) -> None:
-    """Under ahcomm-run (AHCOMM_RANK set, RANK not): torch's env:// variables from ahcomm's."""
-    if not env.get("AHCOMM_RANK") or env.get("RANK"):
+    """torch's env:// variables (where RANK is unset) from ahcomm-run's AHCOMM_* ones, or from
+    an srun step (rank, size and local rank from Slurm; the master's address and port derived
+    from the step's node list and ids, as ``ahcomm._slurm`` does for ahcomm's own rendezvous)."""
+    if env.get("RANK"):
         return
-    for ours, theirs in (("AHCOMM_RANK", "RANK"), ("AHCOMM_WORLD_SIZE", "WORLD_SIZE"),
-                         ("AHCOMM_LOCAL_RANK", "LOCAL_RANK"), ("AHCOMM_LOCAL_WORLD_SIZE", "LOCAL_WORLD_SIZE"),
-                         ("AHCOMM_MASTER_ADDR", "MASTER_ADDR"), ("AHCOMM_MASTER_PORT", "MASTER_PORT")):
-        if env.get(ours) and not env.get(theirs):
-            env[theirs] = env[ours]
+    pairs: tuple[tuple[str, str | None], ...] = ()
+    if env.get("AHCOMM_RANK"):
+        pairs = tuple((theirs, env.get(ours)) for ours, theirs in (
+            ("AHCOMM_RANK", "RANK"), ("AHCOMM_WORLD_SIZE", "WORLD_SIZE"), ("AHCOMM_LOCAL_RANK", "LOCAL_RANK"),
+            ("AHCOMM_LOCAL_WORLD_SIZE", "LOCAL_WORLD_SIZE"), ("AHCOMM_MASTER_ADDR", "MASTER_ADDR"),
+            ("AHCOMM_MASTER_PORT", "MASTER_PORT")))
+    elif env.get("SLURM_PROCID") and env.get("SLURM_NTASKS"):
+        found = _slurm.rendezvous(env)
+        if found is None:
+            return
+        local_size = _slurm.local_world_size(env)
+        pairs = (("RANK", env["SLURM_PROCID"]), ("WORLD_SIZE", env["SLURM_NTASKS"]),
+                 ("LOCAL_RANK", env.get("SLURM_LOCALID")),
+                 ("LOCAL_WORLD_SIZE", None if local_size is None else str(local_size)),
+                 ("MASTER_ADDR", found[0]), ("MASTER_PORT", str(found[1])))
+    for name, value in pairs:
+        if value and not env.get(name):
+            env[name] = value
 
 
 def _devices() -> list[str]:

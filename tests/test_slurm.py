@@ -110,3 +110,16 @@ def test_srun_with_only_the_job_secret(slurm: dict[str, str]) -> None:
     assert len(lines) == 2, proc.stdout
     assert lines[0].startswith("rank 0/2 local_size=2") and lines[1].startswith("rank 1/2 local_size=2")
     assert all(line.endswith("sum=[3.0, 3.0, 3.0, 3.0]") for line in lines), lines
+
+
+@pytest.mark.multiprocess
+def test_torch_backend_under_srun_needs_nothing_exported(slurm: dict[str, str]) -> None:
+    """srun -n 2 python train.py with dist.init_process_group("ahcomm"): torch's env:// gets the
+    step's layout from ahcomm.torch, the job secret is made by rank 0 and shared via torch's store."""
+    pytest.importorskip("torch")
+    env = {k: v for k, v in slurm.items() if not k.startswith(("AHCOMM_", "MASTER_", "RANK", "WORLD_SIZE",
+                                                                 "LOCAL_RANK"))}
+    proc = subprocess.run(["srun", "-n", "2", sys.executable, str(HERE / "torch_worker.py"), "ops"], env=env,
+                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.stdout.count("OK destroy") == 2 and proc.stdout.count("OK all_to_all") == 2, proc.stdout

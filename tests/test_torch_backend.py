@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -107,6 +108,17 @@ def test_ahcomm_run_environment_feeds_torch_env_rendezvous() -> None:
     torchrun_env = {"AHCOMM_RANK": "1", "RANK": "3", "MASTER_PORT": "1"}  # torch's own variables win
     at._torch_env_from_ahcomm_run(torchrun_env)
     assert torchrun_env == {"AHCOMM_RANK": "1", "RANK": "3", "MASTER_PORT": "1"}
+
+
+def test_slurm_step_feeds_torch_env_rendezvous() -> None:
+    from ahcomm._slurm import port_for
+
+    env = {"SLURM_PROCID": "3", "SLURM_NTASKS": "4", "SLURM_LOCALID": "1", "SLURM_JOB_ID": "77", "SLURM_STEP_ID": "2",
+           "SLURM_STEP_NODELIST": "localhost,node[2-3]", "SLURM_STEP_TASKS_PER_NODE": "2(x2)", "SLURM_NODEID": "1"}
+    at._torch_env_from_ahcomm_run(env)
+    assert (env["RANK"], env["WORLD_SIZE"], env["LOCAL_RANK"], env["LOCAL_WORLD_SIZE"], env["MASTER_PORT"]) == (
+        "3", "4", "1", "2", str(port_for(77, 2)))
+    assert env["MASTER_ADDR"] == socket.gethostbyname("localhost")
 
 
 def test_errors_map_to_torch() -> None:
