@@ -18,12 +18,11 @@ as the user set it up), and the token travels only through it.
 
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
 import dataclasses
 import datetime
 import threading
-from typing import Any, Awaitable, Callable, Coroutine, TypeVar
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -33,77 +32,11 @@ from ._bootstrap import create
 from ._comm import Comm
 from ._config import Config
 from ._errors import CollectiveTimeout, CommunicationError
+from ._loopthread import LoopThread
 from ._rootinfo import config_from_root_info, get_root_info
 
-T = TypeVar("T")
 ROOT_INFO_KEY = "ahcomm/root_info"
 POLL = 1.0  # seconds between checks that the loop thread is alive while a wait() blocks
-
-
-class LoopThread:
-    """An asyncio loop in a daemon thread, where every communicator of the backend runs."""
-
-    _instance: "LoopThread | None" = None
-    _lock = threading.Lock()
-
-    def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._main, name="ahcomm-torch-loop", daemon=True)
-        self._thread.start()
-        self.completer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ahcomm-torch-futures")
-
-    @classmethod
-    def get(cls) -> "LoopThread":
-        """The process's loop thread (started on first use)."""
-        with cls._lock:
-            if cls._instance is None or not cls._instance.alive:
-                cls._instance = LoopThread()
-            return cls._instance
-
-    def _main(self) -> None:
-        asyncio.set_event_loop(self.loop)
-        self.loop.run_forever()
-
-    @property
-    def alive(self) -> bool:
-        return self._thread.is_alive() and not self.loop.is_closed()
-
-    def run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
-        """Run ``coro`` on the loop and block until it returns (bounded by ``timeout``)."""
-        future = asyncio.run_coroutine_threadsafe(coro, self.loop)
-        # not result(timeout): its TimeoutError is also what a failed collective raises (CollectiveTimeout)
-        if not concurrent.futures.wait([future], timeout).done:
-            future.cancel()
-            raise TimeoutError(f"ahcomm torch backend: no answer within {timeout:g} s")
-        return future.result()
-
-    def submit(self, start: Callable[[], Awaitable[Any]],
-               then: Callable[[Any], Any] | None = None) -> "concurrent.futures.Future[Any]":
-        """Call ``start()`` on the loop (in submission order) and complete the returned future
-        with its result, passed through ``then`` (on the loop) when given."""
-        done: concurrent.futures.Future[Any] = concurrent.futures.Future()
-
-        def finished(fut: "asyncio.Future[Any]") -> None:
-            if fut.cancelled():
-                done.set_exception(CommunicationError("ahcomm: the collective was cancelled"))
-            elif fut.exception() is not None:
-                done.set_exception(fut.exception())  # type: ignore[arg-type]
-            else:
-                try:
-                    done.set_result(then(fut.result()) if then is not None else fut.result())
-                except BaseException as exc:  # noqa: BLE001 - handed to wait()
-                    done.set_exception(exc)
-
-        def issue() -> None:
-            try:
-                fut = asyncio.ensure_future(start())
-            except BaseException as exc:  # noqa: BLE001 - a bad call: its error is wait()'s
-                done.set_exception(exc)
-                return
-            fut.add_done_callback(finished)
-
-        self.loop.call_soon_threadsafe(issue)
-        return done
 
 
 def torch_error(exc: BaseException) -> BaseException:

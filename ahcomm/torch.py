@@ -31,7 +31,8 @@ from ._collectives import Gathered
 from ._comm import Comm
 from ._devices import _tensor_numpy
 from ._errors import InvalidArgument, UsageError
-from ._torch_work import AhcommWork, LoopThread, connect
+from ._loopthread import LoopThread
+from ._torch_work import AhcommWork, connect
 
 __all__ = ["ProcessGroupAhcomm", "create_process_group", "BACKEND"]
 
