@@ -33,3 +33,13 @@ def test_register_is_idempotent() -> None:
     ahcomm.ray.register()
     ahcomm.ray.register()
     assert _global_registry.get("ahcomm") is ahcomm.ray.AhcommGroup
+
+
+@pytest.mark.multiprocess
+def test_async_actor_example() -> None:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+           "RAY_AUTH_MODE": "disabled"}
+    proc = subprocess.run([sys.executable, str(ROOT / "examples" / "ray_async_actors.py")], env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "joined ranks [0, 1]" in proc.stdout and proc.stdout.rstrip().endswith("OK"), proc.stdout
