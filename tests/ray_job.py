@@ -1,5 +1,6 @@
 """A Ray job for tests/test_ray_backend.py: a local Ray cluster, two actors in an "ahcomm"
-collective group (init_collective_group, and create_collective_group), every call checked."""
+collective group (init_collective_group, and create_collective_group), every call checked; then
+a group whose rank 1 is killed: rank 0's next call must raise, not hang."""
 
 from __future__ import annotations
 
@@ -54,6 +55,13 @@ class Worker:
             assert z.tolist() == [0.0, 1.0, 2.0], z
         return f"rank {r} ok"
 
+    def after_peer_died(self, group: str) -> str:
+        try:
+            col.allreduce(np.ones(2), group)
+        except Exception as exc:  # noqa: BLE001 - reported to the test
+            return f"raised {type(exc).__name__}: {exc}"[:300]
+        return "no error"
+
 
 def main() -> None:
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
@@ -66,6 +74,10 @@ def main() -> None:
     col.create_collective_group(declared, 2, [0, 1], backend="ahcomm", group_name="declared")
     for line in ray.get([w.check.remote("declared") for w in declared]):
         print("create_collective_group", line, flush=True)
+    pair = [Worker.remote(r, 2) for r in range(2)]
+    ray.get([w.join.remote("dies") for w in pair])
+    ray.kill(pair[1])
+    print("dead peer:", ray.get(pair[0].after_peer_died.remote("dies"), timeout=120), flush=True)
     ray.shutdown()
 
 

@@ -24,6 +24,7 @@ def test_ray_actors_run_every_call_on_ahcomm() -> None:
     for how in ("init_collective_group", "create_collective_group"):
         for rank in (0, 1):
             assert f"{how} rank {rank} ok" in proc.stdout, proc.stdout
+    assert "dead peer: raised PeerFailure: rank 1 was lost" in proc.stdout, proc.stdout
 
 
 def test_register_is_idempotent() -> None:
