@@ -37,6 +37,7 @@ from ._rootinfo import config_from_root_info, get_root_info
 
 ROOT_INFO_KEY = "ahcomm/root_info"
 POLL = 1.0  # seconds between checks that the loop thread is alive while a wait() blocks
+MIN_CONNECT = 30.0  # seconds a group's rendezvous may take at least, whatever its collective timeout
 
 
 def torch_error(exc: BaseException) -> BaseException:
@@ -123,7 +124,10 @@ def connect(store: Any, rank: int, size: int, timeout: float, *, world: bool) ->
     on the backend's loop."""
     loop = LoopThread.get()
     base = Config.from_env()
-    base = dataclasses.replace(base, exec_timeout=timeout, connect_timeout=min(base.connect_timeout, timeout))
+    # the group's timeout bounds each collective; joining gets at least MIN_CONNECT seconds (a
+    # short collective timeout must not fail the rendezvous of a loaded machine)
+    connect = max(MIN_CONNECT, min(base.connect_timeout, timeout))
+    base = dataclasses.replace(base, exec_timeout=timeout, connect_timeout=connect)
     if size == 1:
         config = dataclasses.replace(base, rank=0, world_size=1)
     else:
@@ -132,5 +136,5 @@ def connect(store: Any, rank: int, size: int, timeout: float, *, world: bool) ->
         token = bytes(store.get(ROOT_INFO_KEY)).decode()
         config = config_from_root_info(token, base)
     if world:
-        return loop.run(ahcomm_init(config=config, rank=rank, world_size=size), timeout + 5)
-    return loop.run(create(config, rank=rank, world_size=size), timeout + 5)
+        return loop.run(ahcomm_init(config=config, rank=rank, world_size=size), connect + 10)
+    return loop.run(create(config, rank=rank, world_size=size), connect + 10)
