@@ -29,10 +29,10 @@ CHECKS = ["all_reduce", "async_op", "all_gather gather", "reduce_scatter scatter
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
 
 
-def torchrun(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
+def torchrun(*args: str, timeout: float = 240, nproc: int = 2) -> subprocess.CompletedProcess[str]:
     env = job_env({"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"},
                   drop=[k for k in os.environ if k.startswith("AHCOMM_")])  # no AHCOMM_* variable is needed
-    return subprocess.run([*TORCHRUN, WORKER, *args], env=env, capture_output=True, text=True, timeout=timeout,
+    return subprocess.run([*TORCHRUN[:-1], str(nproc), WORKER, *args], env=env, capture_output=True, text=True, timeout=timeout,
                           cwd=ROOT)
 
 
@@ -42,11 +42,13 @@ def passed(out: str, check: str) -> int:
 
 
 @pytest.mark.multiprocess
-def test_every_op_under_torchrun() -> None:
-    proc = torchrun("ops")
+@pytest.mark.parametrize("nproc", [2, 3])
+def test_every_op_under_torchrun(nproc: int) -> None:
+    """3 ranks: uneven splits over more peers, and a new_group that leaves rank 1 out."""
+    proc = torchrun("ops", nproc=nproc)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     for check in CHECKS:
-        assert passed(proc.stdout, check) == 2, (check, proc.stdout[-2000:])
+        assert passed(proc.stdout, check) == nproc, (check, proc.stdout[-2000:])
 
 
 @pytest.mark.multiprocess

@@ -190,10 +190,13 @@ def check_objects(n: int, me: int) -> None:
 
 
 def check_groups(n: int, me: int) -> None:
-    sub = dist.new_group([n - 1, 0] if n > 1 else [0])
+    members = sorted({0, n - 1})
+    sub = dist.new_group([n - 1, 0] if n > 1 else [0])  # with 3 ranks, rank 1 is not a member
     t = inputs(me)
-    dist.all_reduce(t, group=sub)
-    same(t, np.sum([inputs(r).numpy() for r in {0, n - 1}], 0), "new_group all_reduce")
+    dist.all_reduce(t, group=sub)  # a no-op on non-members (torch's rule)
+    same(t, np.sum([inputs(r).numpy() for r in members], 0) if me in members else inputs(me), "new_group all_reduce")
+    if me in members:
+        assert dist.get_world_size(sub) == len(members) and dist.get_rank(sub) == members.index(me)
     solo = [dist.new_group([r]) for r in range(n)][me]  # every rank calls new_group for every group
     t = inputs(me)
     dist.all_reduce(t, group=solo)
