@@ -1,13 +1,12 @@
-"""The torch backend's machinery: one event loop thread per process, its Work, bootstrap.
+"""The torch backend's machinery: its Work, its bootstrap, tensors as host arrays.
 
-torch calls a process group's methods synchronously from the user's thread. Every
-communicator the backend makes lives on one asyncio loop in a daemon thread (``LoopThread``);
-each call is handed to that loop with ``call_soon_threadsafe`` in call order, so the
-collectives take their sequence numbers in the order the user issued them, as on every
-other rank. The caller gets an ``AhcommWork`` at once: ``wait()`` blocks on a
+torch calls a process group's methods synchronously from the user's thread; the
+communicators live on the process's ``LoopThread`` (``_loopthread``), which takes each call in
+call order. The caller gets an ``AhcommWork`` at once: ``wait()`` blocks on the
 ``concurrent.futures.Future`` the loop completes; ``get_future()`` is a ``torch.futures.Future``
-completed from a separate completion thread, so callbacks chained on it (DDP's) never
-stall the loop.
+completed from a separate completion thread, so callbacks chained on it (DDP's) never stall
+the loop. ``Host`` is a tensor's numpy view (zero copy on the CPU; a host copy written back
+for a tensor on an accelerator).
 
 Bootstrap (``connect``): rank 0 of the group makes a root-info token
 (``ahcomm.get_root_info``: its address, a free port and the job secret - AHCOMM_JOB_SECRET,
@@ -24,6 +23,7 @@ import datetime
 import threading
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -31,7 +31,8 @@ from ._api import init as ahcomm_init
 from ._bootstrap import create
 from ._comm import Comm
 from ._config import Config
-from ._errors import CollectiveTimeout, CommunicationError
+from ._devices import _tensor_numpy
+from ._errors import CollectiveTimeout, CommunicationError, InvalidArgument
 from ._loopthread import LoopThread
 from ._rootinfo import config_from_root_info, get_root_info
 
@@ -138,3 +139,53 @@ def connect(store: Any, rank: int, size: int, timeout: float, *, world: bool) ->
     if world:
         return loop.run(ahcomm_init(config=config, rank=rank, world_size=size), connect + 10)
     return loop.run(create(config, rank=rank, world_size=size), connect + 10)
+
+
+class Host:
+    """A tensor's host numpy view; for a tensor off the CPU, a host copy written back by ``done()``."""
+
+    __slots__ = ("tensor", "array", "_copy")
+
+    def __init__(self, tensor: Any, *, read: bool = True) -> None:
+        if not isinstance(tensor, torch.Tensor):
+            raise InvalidArgument(f"ahcomm backend: expected a tensor, got {type(tensor).__name__}")
+        self.tensor = tensor
+        self._copy: Any = None
+        if tensor.device.type == "cpu":
+            self.array = _tensor_numpy(tensor)
+        else:
+            self._copy = tensor.detach().to("cpu") if read else torch.empty(tensor.shape, dtype=tensor.dtype)
+            self.array = _tensor_numpy(self._copy)
+
+    def flat(self) -> np.ndarray:
+        """The elements in order: a view when the tensor is contiguous (else a copy)."""
+        return self.array.reshape(-1)
+
+    def put(self, values: np.ndarray) -> None:
+        """Write ``values`` (any shape of the same size) into the tensor (nothing to copy when the
+        collective wrote the tensor's own memory)."""
+        if values.size and not np.may_share_memory(values, self.array):
+            self.array[...] = values.reshape(self.array.shape)
+        self.done()
+
+    def done(self) -> None:
+        if self._copy is not None:
+            self.tensor.detach().copy_(self._copy)
+
+
+def out_view(h: Host) -> np.ndarray | None:
+    """A flat view of ``h`` that a collective may write (None: it is not contiguous)."""
+    return h.array.reshape(-1) if h.array.flags.c_contiguous else None
+
+
+def rows(a: np.ndarray) -> tuple[int, int]:
+    """(rows, elements per row) of ``a`` along dim 0 (a 0-d tensor is one row)."""
+    rows = a.shape[0] if a.ndim else 1
+    return rows, (a.size // rows if rows else int(np.prod(a.shape[1:], dtype=np.int64)))
+
+
+def split_into(data: np.ndarray, outs: list[Host]) -> None:
+    start = 0
+    for h in outs:
+        h.put(data[start:start + h.array.size])
+        start += h.array.size

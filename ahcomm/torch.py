@@ -29,10 +29,13 @@ import torch.distributed as dist
 from . import _slurm
 from ._collectives import Gathered
 from ._comm import Comm
-from ._devices import _tensor_numpy
 from ._errors import InvalidArgument, UsageError
 from ._loopthread import LoopThread
 from ._torch_work import AhcommWork, connect
+from ._torch_work import Host as _Host
+from ._torch_work import out_view as _out_view
+from ._torch_work import rows as _rows
+from ._torch_work import split_into as _split_into
 
 __all__ = ["ProcessGroupAhcomm", "create_process_group", "BACKEND"]
 
@@ -50,43 +53,6 @@ def _redop(op: Any) -> str:
         raise InvalidArgument(f"ahcomm backend: reduce op {kind} is not supported "
                               f"(sum, avg, product, min, max, band, bor, bxor are)")
     return name
-
-
-class _Host:
-    """A tensor's host numpy view; for a tensor off the CPU, a host copy written back by ``done()``."""
-
-    __slots__ = ("tensor", "array", "_copy")
-
-    def __init__(self, tensor: Any, *, read: bool = True) -> None:
-        if not isinstance(tensor, torch.Tensor):
-            raise InvalidArgument(f"ahcomm backend: expected a tensor, got {type(tensor).__name__}")
-        self.tensor = tensor
-        self._copy: Any = None
-        if tensor.device.type == "cpu":
-            self.array = _tensor_numpy(tensor)
-        else:
-            self._copy = tensor.detach().to("cpu") if read else torch.empty(tensor.shape, dtype=tensor.dtype)
-            self.array = _tensor_numpy(self._copy)
-
-    def flat(self) -> np.ndarray:
-        """The elements in order: a view when the tensor is contiguous (else a copy)."""
-        return self.array.reshape(-1)
-
-    def put(self, values: np.ndarray) -> None:
-        """Write ``values`` (any shape of the same size) into the tensor (nothing to copy when the
-        collective wrote the tensor's own memory)."""
-        if values.size and not np.may_share_memory(values, self.array):
-            self.array[...] = values.reshape(self.array.shape)
-        self.done()
-
-    def done(self) -> None:
-        if self._copy is not None:
-            self.tensor.detach().copy_(self._copy)
-
-
-def _out_view(h: _Host) -> np.ndarray | None:
-    """A flat view of ``h`` that a collective may write (None: it is not contiguous)."""
-    return h.array.reshape(-1) if h.array.flags.c_contiguous else None
 
 
 class ProcessGroupAhcomm(_ProcessGroup):  # type: ignore[misc]
@@ -360,19 +326,6 @@ class ProcessGroupAhcomm(_ProcessGroup):  # type: ignore[misc]
     def _check_count(self, hosts: list[_Host], what: str) -> None:
         if len(hosts) != self.size():
             raise InvalidArgument(f"{what} has {len(hosts)} tensors; the group has {self.size()} ranks")
-
-
-def _rows(a: np.ndarray) -> tuple[int, int]:
-    """(rows, elements per row) of ``a`` along dim 0 (a 0-d tensor is one row)."""
-    rows = a.shape[0] if a.ndim else 1
-    return rows, (a.size // rows if rows else int(np.prod(a.shape[1:], dtype=np.int64)))
-
-
-def _split_into(data: np.ndarray, outs: list[_Host]) -> None:
-    start = 0
-    for h in outs:
-        h.put(data[start:start + h.array.size])
-        start += h.array.size
 
 
 def _last(works: list[AhcommWork], outputs: list[Any]) -> AhcommWork:
