@@ -6,6 +6,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from . import _slurm
 from ._errors import ConfigError
 from ._torchrun import agent_store
 
@@ -133,13 +134,19 @@ class Config:
         addr = _first(env, _ADDR_VARS)
         if addr is not None:
             _address(env, addr[0], addr[1])
+        port = _int(env, _PORT_VARS, None)
+        # Under srun with neither set: rank 0's node and a port derived from the job and step ids.
+        slurm = _slurm.rendezvous(env) if addr is None and port is None else None
+        local_size = _int(env, _LOCAL_SIZE_VARS, None)
+        if local_size is None:
+            local_size = _slurm.local_world_size(env)
         return cls(
             rank=_int(env, _RANK_VARS, None),
             world_size=_int(env, _SIZE_VARS, None),
             local_rank=_int(env, _LOCAL_RANK_VARS, None),
-            local_world_size=_int(env, _LOCAL_SIZE_VARS, None),
-            master_addr=addr[1] if addr else "127.0.0.1",
-            master_port=_int(env, _PORT_VARS, None),
+            local_world_size=local_size,
+            master_addr=addr[1] if addr else slurm[0] if slurm else "127.0.0.1",
+            master_port=port if slurm is None else slurm[1],
             buffsize=max(1024, int(buff_mb * MiB)),
             transport=transport,
             algo=env.get("AHCOMM_ALGO", "").strip(),

@@ -13,7 +13,8 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import threading
-from typing import Any, Awaitable, Callable, Coroutine, TypeVar
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any, TypeVar
 
 from ._errors import CommunicationError
 

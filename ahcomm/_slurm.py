@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import re
 import socket
-from typing import Mapping
+from collections.abc import Mapping
 
 from ._errors import ConfigError
 

@@ -144,7 +144,7 @@ def connect(store: Any, rank: int, size: int, timeout: float, *, world: bool) ->
 class Host:
     """A tensor's host numpy view; for a tensor off the CPU, a host copy written back by ``done()``."""
 
-    __slots__ = ("tensor", "array", "_copy")
+    __slots__ = ("_copy", "array", "tensor")
 
     def __init__(self, tensor: Any, *, read: bool = True) -> None:
         if not isinstance(tensor, torch.Tensor):

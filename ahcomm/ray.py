@@ -21,7 +21,8 @@ from __future__ import annotations
 import dataclasses
 import sys
 import time
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 import ray.experimental.internal_kv as internal_kv
@@ -36,7 +37,7 @@ from ._errors import InvalidArgument
 from ._loopthread import LoopThread
 from ._rootinfo import config_from_root_info, get_root_info
 
-__all__ = ["AhcommGroup", "register", "BACKEND"]
+__all__ = ["BACKEND", "AhcommGroup", "register"]
 
 BACKEND = "ahcomm"
 DEFAULT_TIMEOUT = 1800.0

@@ -20,7 +20,8 @@ from __future__ import annotations
 import asyncio
 import datetime
 import os
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -37,7 +38,7 @@ from ._torch_work import out_view as _out_view
 from ._torch_work import rows as _rows
 from ._torch_work import split_into as _split_into
 
-__all__ = ["ProcessGroupAhcomm", "create_process_group", "BACKEND"]
+__all__ = ["BACKEND", "ProcessGroupAhcomm", "create_process_group"]
 
 BACKEND = "ahcomm"
 _R: Any = dist.ReduceOp.RedOpType  # torch's stubs lag its bindings (RedOpType's members, ProcessGroup's
@@ -64,7 +65,7 @@ class ProcessGroupAhcomm(_ProcessGroup):  # type: ignore[misc]
         self._timeout = timeout
         self._loop = LoopThread.get()
 
-    def getBackendName(self) -> str:  # noqa: N802 - torch's name
+    def getBackendName(self) -> str:
         return BACKEND
 
     # torch names groups after creating them; a ProcessGroup without C++ backends keeps the name here
@@ -74,10 +75,10 @@ class ProcessGroupAhcomm(_ProcessGroup):  # type: ignore[misc]
     def _set_group_desc(self, desc: str) -> None:
         self._desc = desc
 
-    def getGroupName(self) -> str:  # noqa: N802 - torch's name (C++ callers: functional collectives)
+    def getGroupName(self) -> str:
         return getattr(self, "_name", "")
 
-    def getGroupDesc(self) -> str:  # noqa: N802
+    def getGroupDesc(self) -> str:
         return getattr(self, "_desc", "")
 
     @property
@@ -173,7 +174,7 @@ class ProcessGroupAhcomm(_ProcessGroup):  # type: ignore[misc]
         works = [self.allgather([outs], [x], opts) for outs, x in zip(output_lists, inputs)]
         return _last(works, output_lists)
 
-    def all_gather_single(self, output: Any, input: Any, opts: Any = None) -> AhcommWork:  # noqa: A002
+    def all_gather_single(self, output: Any, input: Any, opts: Any = None) -> AhcommWork:
         x, out = _Host(input), _Host(output, read=False)
         if out.array.size != x.array.size * self.size():
             raise InvalidArgument(f"all_gather_into_tensor: output has {out.array.size} elements, expected "
@@ -238,7 +239,7 @@ class ProcessGroupAhcomm(_ProcessGroup):  # type: ignore[misc]
             return comm.reduce_scatter_v(source, counts, op, out=view, timeout=timeout)
         return self._run(start, output_tensors, lambda result: y.put(result))
 
-    def reduce_scatter_single(self, output: Any, input: Any, opts: Any = None) -> AhcommWork:  # noqa: A002
+    def reduce_scatter_single(self, output: Any, input: Any, opts: Any = None) -> AhcommWork:
         op = _redop(opts.reduceOp)
         x, y = _Host(input), _Host(output, read=False)
         if x.array.size != y.array.size * self.size():
@@ -266,7 +267,7 @@ class ProcessGroupAhcomm(_ProcessGroup):  # type: ignore[misc]
         return self._run(lambda comm: comm.all_to_all_v(source, send, recv_counts=recv, timeout=timeout),
                          output_tensors, lambda result: _split_into(result.data.reshape(-1), outs))
 
-    def all_to_all_single(self, output: Any, input: Any, output_split_sizes: Sequence[int] | None,  # noqa: A002
+    def all_to_all_single(self, output: Any, input: Any, output_split_sizes: Sequence[int] | None,
                           input_split_sizes: Sequence[int] | None, opts: Any = None) -> AhcommWork:
         x, y = _Host(input), _Host(output, read=False)
         n = self.size()

@@ -1,10 +1,18 @@
 """A rank under srun: the rendezvous from the Slurm step (ahcomm._slurm), one all_reduce."""
-import asyncio, os, numpy as np, ahcomm
-from ahcomm._slurm import rendezvous, local_world_size
+import asyncio
+import os
+
+import numpy as np
+
+import ahcomm
+from ahcomm._slurm import local_world_size, rendezvous
+
+
 async def main():
     addr, port = rendezvous(os.environ)
-    comm = await ahcomm.init(master_addr=addr, master_port=port)
+    comm = await ahcomm.init()  # srun's environment is enough: Config.from_env derives the same address and port
     got = await comm.all_reduce(np.full(4, comm.rank + 1.0))
-    print(f"rank {comm.rank}/{comm.size} local_size={local_world_size(os.environ)} rendezvous={addr}:{port} sum={got.tolist()}", flush=True)
+    local = local_world_size(os.environ)
+    print(f"rank {comm.rank}/{comm.size} local_size={local} rendezvous={addr}:{port} sum={got.tolist()}", flush=True)
     await comm.close()
 asyncio.run(main())

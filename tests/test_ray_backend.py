@@ -28,8 +28,9 @@ def test_ray_actors_run_every_call_on_ahcomm() -> None:
 
 
 def test_register_is_idempotent() -> None:
-    import ahcomm.ray
     from ray.util.collective.backend_registry import _global_registry
+
+    import ahcomm.ray
 
     ahcomm.ray.register()
     ahcomm.ray.register()

@@ -8,8 +8,8 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 
@@ -53,6 +53,19 @@ def test_unresolvable_first_node_says_so() -> None:
         rendezvous(env)
 
 
+def test_config_takes_the_rendezvous_and_local_size_from_srun() -> None:
+    """Plain init() under srun: Config.from_env fills what no variable names from the step."""
+    from ahcomm._config import Config
+
+    step = {"SLURM_JOB_ID": "4321", "SLURM_STEP_ID": "2", "SLURM_JOB_NODELIST": "localhost",
+            "SLURM_PROCID": "1", "SLURM_NTASKS": "2", "SLURM_TASKS_PER_NODE": "2", "SLURM_NODEID": "0"}
+    cfg = Config.from_env(step)
+    assert (cfg.master_addr, cfg.master_port) == rendezvous(step)
+    assert (cfg.rank, cfg.world_size, cfg.local_world_size) == (1, 2, 2)
+    given = Config.from_env({**step, "AHCOMM_MASTER_ADDR": "127.0.0.1", "AHCOMM_MASTER_PORT": "29500"})
+    assert (given.master_addr, given.master_port) == ("127.0.0.1", 29500)  # the user's choice wins
+
+
 def test_local_world_size_from_tasks_per_node() -> None:
     from ahcomm._slurm import expand_tasks_per_node, local_world_size
 
@@ -91,7 +104,8 @@ def slurm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
         while "idle" not in subprocess.run(["sinfo", "-h", "-o", "%t"], env=env, capture_output=True,
                                            text=True, timeout=20).stdout:
             if time.monotonic() > deadline:
-                pytest.fail("the test's Slurm node did not become idle: " + (conf_dir / "slurmctld.log").read_text()[-2000:])
+                log = (conf_dir / "slurmctld.log").read_text()[-2000:]
+                pytest.fail("the test's Slurm node did not become idle: " + log)
             time.sleep(0.5)
         yield env
     finally:

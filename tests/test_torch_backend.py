@@ -32,8 +32,8 @@ TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--np
 def torchrun(*args: str, timeout: float = 240, nproc: int = 2) -> subprocess.CompletedProcess[str]:
     env = job_env({"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"},
                   drop=[k for k in os.environ if k.startswith("AHCOMM_")])  # no AHCOMM_* variable is needed
-    return subprocess.run([*TORCHRUN[:-1], str(nproc), WORKER, *args], env=env, capture_output=True, text=True, timeout=timeout,
-                          cwd=ROOT)
+    return subprocess.run([*TORCHRUN[:-1], str(nproc), WORKER, *args], env=env, capture_output=True, text=True,
+                          timeout=timeout, cwd=ROOT)
 
 
 def passed(out: str, check: str) -> int:
@@ -152,7 +152,8 @@ def test_single_rank_group_in_process() -> None:
 @pytest.mark.multiprocess
 def test_ddp_example_runs_under_torchrun() -> None:
     proc = subprocess.run([*TORCHRUN, str(ROOT / "examples" / "torch_ddp.py"), "--steps", "10"], cwd=ROOT,
-                          env=job_env({"PYTHONPATH": str(ROOT)}, drop=[k for k in os.environ if k.startswith("AHCOMM_")]),
+                          env=job_env({"PYTHONPATH": str(ROOT)},
+                                      drop=[k for k in os.environ if k.startswith("AHCOMM_")]),
                           capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "rank 1/2: final loss" in proc.stdout and proc.stdout.rstrip().endswith("OK"), proc.stdout
