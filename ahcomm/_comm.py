@@ -333,6 +333,7 @@ class Comm(Health, Retirement, ThreadsafeCalls, BlockedCollectives, ObjectCollec
             if prepare is not None:
                 prepare(job)
             job.algorithm = self._selector.choose(call, self.topology, algorithm)
+            call.algorithm = job.algorithm.name  # part of the fingerprint: ranks running different ones differ
         job.entry = self._flight.issue(call, timeout)
         self._seq += 1
         self._enqueue(job)
@@ -409,6 +410,7 @@ class Comm(Health, Retirement, ThreadsafeCalls, BlockedCollectives, ObjectCollec
         if job.prepare is not None:
             job.prepare(job)
             job.algorithm = self._selector.choose(call, self.topology, job.override)
+            call.algorithm = job.algorithm.name
             if self.size > 1:
                 self._register(call.seq, call.fingerprint)
                 if self._error is not None:  # its fingerprint differs from a peer's

@@ -135,7 +135,12 @@ class Health:
         sides = sorted([(self.rank, mine), (peer, other)])
         name = my_op if my_op is not None and other_op == my_op else "collective"
         text = f"{name} #{seq} mismatch: " + ", ".join(f"{self._name(r)} called {d}" for r, d in sides)
-        if other == mine:
+        their_algo = str(reply.get("algo") or "") if reply is not None else ""
+        if other == mine and call is not None and their_algo and their_algo != call.algorithm:
+            ours = sorted([(self.rank, call.algorithm), (peer, their_algo)])
+            text += " with different algorithms (" + ", ".join(f"{self._name(r)} runs {a}" for r, a in ours) + \
+                    "; pass the same algorithm= or AHCOMM_ALGO on every rank)"
+        elif other == mine:
             text += f" (fingerprints {call._fp if call else 0:#010x} and {theirs:#010x} differ)"
         suffix, path = self._record(text)
         error = CollectiveMismatchError(text + suffix, seq=seq, ranks=tuple(r for r, _ in sides))
@@ -248,7 +253,8 @@ class Health:
                     fut.set_result(msg)
             elif kind == "desc?":
                 call = self._call_for(int(msg["seq"]))
-                desc = {"op": call.op, "desc": describe(call)} if call is not None else {"desc": None}
+                desc = ({"op": call.op, "desc": describe(call), "algo": call.algorithm} if call is not None
+                        else {"desc": None})
                 self._reply(peer, msg, desc)
             elif kind == "st?":
                 self._reply(peer, msg, self._status())

@@ -108,6 +108,7 @@ class Executor:
         self._halves = [(p, buffers.ccl_in.array[p:p + h], buffers.ccl_out.array[p:p + h]) for p in (0, h)]
         self._unmapped = [link for link in links.values() if not link.mapped]
         self._ctx: Context | None = None  # the run in progress (abort fails its local notifies)
+        self._error: BaseException | None = None  # set by abort: no further slice starts
         self._scratch = np.empty(0, np.uint8)
         self._resources: dict[tuple[Any, ...], Resources] = {}
         self.mailbox: Mailbox | None = None  # the host's mailboxes (set at init where ``topo.mailbox``)
@@ -164,6 +165,8 @@ class Executor:
             if ready is not None:
                 for lo, hi in self._reads(call, src, a, b):
                     await ready(lo, hi)
+            if self._error is not None:  # aborted between slices (while the input was on its way)
+                raise self._error
             s, d = self._views(call, src, dst, a, b, inplace)
             ctx = Context(call=call, topo=self.topo, links=self.links, src=s, dst=d,
                           ccl_in=ccl_in, ccl_out=ccl_out, half_offset=parity, main=self.main, subs=subs,
@@ -210,6 +213,7 @@ class Executor:
         if self.tracer is not None:
             self.tracer.write()
         self._halves = []  # drop our views of the CCL buffers so they can be unmapped
+        self.mailbox = None  # and of the host's mailboxes
 
     def set_hooks(self, *, on_abort: AbortHook, on_fingerprint: FingerprintHook, on_control: ControlHook,
                   on_lost: AbortHook, on_broken: AbortHook | None = None) -> None:
@@ -252,6 +256,7 @@ class Executor:
         return out
 
     def abort(self, error: BaseException) -> None:
+        self._error = error
         if self._ctx is not None:
             self._ctx.fail(error)
         self.progress.fail(error)

@@ -107,12 +107,12 @@ class Selector:
         """The cheapest candidate by the cost model; without estimates, mesh, ring, then the first
         (remembered per kind of call: a registry that changed, or another model, starts afresh)."""
         key = (call.op, call.dtype, call.count, call.redop, call.root, call.counts, call.recv_counts, topo,
-               len(self.registry.algorithms))
+               self.registry.version)
         if self._picks_model is not self.model:
             self._picks_model = self.model
             self._picks.clear()
         pick = self._picks.get(key)
-        if pick is not None and self.registry.algorithms.get(pick.name) is pick:
+        if pick is not None and self.registry.algorithms.get(pick.name) is pick:  # (one removed since)
             return pick
         if len(self._picks) >= PICKS:
             self._picks.clear()

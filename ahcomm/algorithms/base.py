@@ -259,9 +259,11 @@ class Registry:
     """Algorithms by name, in preference order."""
 
     algorithms: dict[str, Algorithm] = field(default_factory=dict)
+    version: int = 0  # bumped by every register (a pick remembered under an older one is not used)
 
     def register(self, algorithm: Algorithm) -> Algorithm:
         self.algorithms[algorithm.name] = algorithm
+        self.version += 1  # selectors' remembered picks are stale now
         return algorithm
 
     def names(self, op: str | None = None) -> list[str]:

@@ -48,6 +48,7 @@ class Call:
     counts: tuple[int, ...] | None = None
     recv_counts: tuple[int, ...] | None = None
     group: str = ""  # unused (always ""): a sub-communicator has links of its own domain, so calls never mix
+    algorithm: str = ""  # the algorithm that runs it, set once chosen: ranks must agree on it too
     _fp: int = 0
 
     @property
@@ -63,11 +64,11 @@ class Call:
             # Sizes every rank agrees on: the per-rank counts where the op has them (a rank's own
             # count differs across ranks there), none for all_to_all_v (each rank has its own row).
             sizes = "" if self.op == "all_to_all_v" else self.counts if self.counts is not None else self.count
-            memo = (self.op, self.dtype, sizes, self.redop, self.root, self.group)
+            memo = (self.op, self.dtype, sizes, self.redop, self.root, self.group, self.algorithm)
             fp = _FINGERPRINTS.get(memo, 0)
             if not fp:
                 key = f"{self.op}|{self.dtype.str}{self.dtype.name}|{sizes}|{self.redop and self.redop.value}|" \
-                      f"{self.root}|{self.group}"
+                      f"{self.root}|{self.group}|{self.algorithm}"
                 fp = zlib.crc32(key.encode()) or 1
                 if len(_FINGERPRINTS) >= 4096:
                     _FINGERPRINTS.clear()
