@@ -1,6 +1,6 @@
 """Point-to-point: send, recv and batch_send_recv (HcclSend/HcclRecv, HcclBatchSendRecv).
 
-A mixin of ``Comm``. Messages do not take the communicator's sequence numbers (only two
+A mixin of ``Comm``, typed against ``_core.CommCore``. Messages do not take the communicator's sequence numbers (only two
 ranks take part) and do not wait behind collectives: they travel as link messages, matched
 by (tag, per-pair order) as MPI matches (source, tag) without overtaking. A send is eager:
 it never waits for the matching recv to be posted, so any order of sends and receives is
@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 import msgpack
 import numpy as np
 
+from ._core import FrontEnd
 from ._dtypes import SUPPORTED_DTYPES
 from ._errors import CollectiveMismatchError, CollectiveTimeout, InvalidArgument, InvalidDtype, check_timeout
 
@@ -45,18 +46,8 @@ def _retrieved(future: "asyncio.Future[Any]") -> None:
         future.exception()
 
 
-class PointToPoint:
+class PointToPoint(FrontEnd):
     """send / recv / batch_send_recv on a communicator's links."""
-
-    rank: int
-    size: int
-
-    if TYPE_CHECKING:
-        _exec_timeout: float
-
-        def _input(self, x: Any, what: str) -> tuple[np.ndarray, np.dtype]: ...
-        def _check_open(self) -> None: ...
-        def _p2p_links(self) -> dict[int, Link]: ...
 
     def _p2p_init(self) -> None:
         self._sent_count: defaultdict[tuple[int, int], int] = defaultdict(int)  # (peer, tag) -> messages sent

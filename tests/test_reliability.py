@@ -128,7 +128,7 @@ async def test_mismatch_found_when_the_late_rank_issues_its_call() -> None:
     for comm, res in zip(comms, got):
         assert "all_gather #0 mismatch: rank 0 called all_gather(float32, count=8), rank 1 called " \
                "all_gather(float64, count=8)" in str(mismatch_of(comm, res))
-    assert comms[1]._early == {}
+    assert comms[1]._health.early == {}
     await close_all(comms)
 
 
@@ -177,7 +177,7 @@ async def test_the_fingerprint_is_given_when_the_peer_does_not_describe_its_call
     comms = await ahcomm.init_inprocess(2, buffsize=MIB)
     for link in comms[1]._executor.links.values():
         link.on_fingerprint = None  # rank 1 does not check...
-    answer = comms[1]._on_control
+    answer = comms[1]._health.on_control
 
     def mute(peer: int, payload: bytes) -> None:  # ... and does not describe its calls
         if b"desc?" not in payload:
@@ -219,7 +219,7 @@ async def test_legitimate_per_rank_differences_are_not_a_mismatch() -> None:
     comms = await ahcomm.init_inprocess(n, buffsize=MIB)
     results = await asyncio.wait_for(asyncio.gather(*(body(c) for c in comms)), 30)
     for c, res in zip(comms, results):
-        assert c._error is None and c._early == {} and c._fps == {}
+        assert c._health.error is None and c._health.early == {} and c._health.fps == {}
         assert isinstance(res[1], Gathered) and res[1].counts == (1, 2, 3)
         assert np.all(res[5] == 1) and res[8] == "hello" * 2
         assert res[6] == [{"rank": p, "blob": "x" * (100 * p)} for p in range(n)]
@@ -355,7 +355,7 @@ async def test_a_peer_lost_while_idle_and_reported_from_another_thread() -> None
     thread.join()
     for _ in range(50):
         await asyncio.sleep(0.01)
-        if comms[1]._error is not None:
+        if comms[1]._health.error is not None:
             break
     with pytest.raises(ahcomm.CommClosedError, match=r"rank 0 was lost \(heartbeats stopped\) while idle "
                                                       r"\(last collective: #0\)"):
