@@ -38,7 +38,7 @@ import asyncio
 import threading
 import time
 from collections import deque
-from typing import Any, Awaitable, Callable, Sequence
+from typing import Any, Awaitable, Callable, Self, Sequence
 
 import numpy as np
 
@@ -83,7 +83,11 @@ class Comm(ThreadsafeCalls, BlockedCollectives, ObjectCollectives, PointToPoint)
 
     def __init__(self, *, rank: int, size: int, links: dict[int, Link], buffers: CclBuffers,
                  topo: Topology, progress: Progress, selector: Selector, exec_timeout: float,
-                 on_close: Callable[[], Awaitable[None]] | None = None) -> None:
+                 on_close: Callable[[], Awaitable[None]] | None = None, parent: Comm | None = None,
+                 members: Sequence[int] = (), child: bool = True) -> None:
+        """A communicator of ``size`` ranks on ``links`` (``init`` makes the first one). One made
+        from ``parent`` (``_derive``) has the parent ranks ``members``, shares its domain numbers,
+        names world ranks in its messages and, as a ``child``, is closed before the parent."""
         self.rank = rank
         self.size = size
         self.topology = topo
@@ -107,11 +111,18 @@ class Comm(ThreadsafeCalls, BlockedCollectives, ObjectCollectives, PointToPoint)
             self._loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
         except RuntimeError:
             self._loop = None
-        self.world_ranks: tuple[int, ...] = tuple(range(size))  # the first communicator's rank of each member
-        self.parent_ranks: tuple[int, ...] = self.world_ranks  # the parent's rank of each member (a sub-communicator)
-        self._parent: Comm | None = None
+        self._parent = parent
         self._children: list[Comm] = []  # open sub-communicators made from this one
-        self._domains = _groups.Domains()
+        if parent is None:
+            self.world_ranks: tuple[int, ...] = tuple(range(size))  # the first communicator's rank of each member
+            self.parent_ranks: tuple[int, ...] = self.world_ranks  # the parent's rank of each member
+            self._domains = _groups.Domains()
+        else:
+            self.parent_ranks = tuple(members)
+            self.world_ranks = tuple(parent.world_ranks[p] for p in self.parent_ranks)
+            self._domains = parent._domains  # one process's connections: domain numbers are shared
+            if child:
+                parent._children.append(self)
         self._health = health = Health(self, self._executor, self._flight)  # failures: mismatch, timeout, loss
         self._executor.set_hooks(on_abort=health.peer_aborted, on_fingerprint=health.on_fingerprint,
                                  on_control=health.on_control, on_lost=health.on_lost, on_broken=health.on_broken)
@@ -212,6 +223,19 @@ class Comm(ThreadsafeCalls, BlockedCollectives, ObjectCollectives, PointToPoint)
         torch.distributed.new_group); see ``split``.
         """
         return await _groups.new_group(self, ranks, buffsize)
+
+    def _derive(self, members: tuple[int, ...], *, rank: int, links: dict[int, Link], buffers: CclBuffers,
+                topo: Topology, progress: Progress, label: str,
+                on_close: Callable[[], Awaitable[None]] | None = None, child: bool = True) -> Self:
+        """A communicator of ``members`` (ranks of this one) on ``links`` derived from this one's
+        connections, with this one's selector and timeout; ``label`` names it in trace files."""
+        comm = type(self)(rank=rank, size=len(members), links=links, buffers=buffers, topo=topo, progress=progress,
+                          selector=self._selector, exec_timeout=self._exec_timeout, on_close=on_close, parent=self,
+                          members=members, child=child)
+        tracer = comm._executor.tracer
+        if tracer is not None:
+            tracer.set_group(label)
+        return comm
 
     # -- plumbing ---------------------------------------------------------------------------
     def _check_open(self) -> None:
