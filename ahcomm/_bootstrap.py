@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from ._buffers import CclBuffers
-from . import _trace
+from . import _clock
 from ._comm import Comm
 from ._config import Config
 from ._torchrun import StorePort
@@ -158,7 +158,7 @@ async def create(config: Config | None = None, *, rank: int | None = None, world
                 selector=Selector(REGISTRY, cfg.algo, cost_model), exec_timeout=cfg.exec_timeout,
                 on_close=on_close)
     comm._executor.mailbox = mailbox
-    tracing = _trace.tracer_of(comm) is not None
+    tracing = _clock.tracer_of(comm) is not None
     if size > 1:
         single, every_rank_traces = await _agree(comm, cfg.single_copy and all(l.single_copy for l in links.values()),
                                                  tracing)
@@ -167,7 +167,7 @@ async def create(config: Config | None = None, *, rank: int | None = None, world
             logging.getLogger("ahcomm.trace").warning(
                 "rank %d: AHCOMM_TRACE is set here but not on every rank: the trace files get no clock offsets", rank)
         elif tracing:  # this rank's clock offset to rank 0's, for merged timelines
-            await _trace.estimate_offsets(comm)
+            await _clock.estimate_offsets(comm)
     return comm
 
 
