@@ -33,6 +33,7 @@ typecheck: $(STAMP)
 	$(BIN)/python -m mypy
 
 test: $(STAMP) typecheck
+	$(BIN)/python -m ruff check ahcomm tests
 	$(BIN)/python -m pytest -q
 
 demo: $(DEMO_STAMP)

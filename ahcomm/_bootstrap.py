@@ -1,7 +1,10 @@
 """Building a communicator: rendezvous, CCL buffers, one link per peer, a first handshake.
 
-The transport of each peer is chosen from a table tried in order (as NCCL does): sdma if
-the peer is on this host (and AHCOMM_TRANSPORT does not force rdma), else rdma.
+The transport of each peer is chosen from ``TRANSPORTS``, a table of (name, can connect,
+open) entries tried in order, as NCCL tries ``ncclTransports[]``: the first whose predicate
+accepts the peer opens its link. sdma takes a peer on this host whose CCL buffers are in
+shared memory and that listens on ipc (unless AHCOMM_TRANSPORT=rdma), rdma any peer with a
+tcp endpoint. AHCOMM_TRANSPORT=sdma with a peer on another host is a ConfigError.
 """
 
 from __future__ import annotations
@@ -10,30 +13,39 @@ import asyncio
 import dataclasses
 import logging
 import os
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
-from ._buffers import CclBuffers
 from . import _clock
+from ._buffers import CclBuffers
 from ._comm import Comm
 from ._config import Config
-from ._torchrun import StorePort
 from ._errors import ConfigError, ConnectError
-from ._rendezvous import (LINGER, REPLY_SLACK, host_identity, interface_addresses, local_address, match_interface,
-                          register, serve)
+from ._rendezvous import (
+    LINGER,
+    REPLY_SLACK,
+    host_identity,
+    interface_addresses,
+    local_address,
+    match_interface,
+    register,
+    serve,
+)
+from ._torchrun import StorePort
 from .algorithms import REGISTRY
-from .algorithms._cost import CostModel
-from .algorithms._cost import load as load_cost_model
 from .algorithms._executor import Progress
 from .algorithms._selection import Selector
 from .algorithms.base import Topology
+from .algorithms.cost import CostModel
+from .algorithms.cost import load as load_cost_model
 from .transports._auth import Credentials
 from .transports._host_mailbox import HostMailbox
-from .transports.mailbox import InprocMailboxes, capacity_from_env
 from .transports._zmq import Channel
 from .transports.base import Link, Signal
 from .transports.inproc import InprocWorld
+from .transports.mailbox import InprocMailboxes, capacity_from_env
 from .transports.rdma import RdmaLink
 from .transports.sdma import SdmaLink
 
@@ -116,7 +128,7 @@ async def create(config: Config | None = None, *, rank: int | None = None, world
             store = StorePort(cfg.master_addr, port, cfg.connect_timeout) if use_store else None
             table = await _rendezvous(rank, size, port, cfg, info, creds, store)
             links = _connect(rank, table, channel, cfg, host, progress)
-            if mbox is not None and HostMailbox.usable(table) and all(l.kind == "sdma" for l in links.values()):
+            if mbox is not None and HostMailbox.usable(table) and all(link.kind == "sdma" for link in links.values()):
                 mbox.attach(table)
                 mbox.start(asyncio.get_running_loop())
             elif mbox is not None:
@@ -160,8 +172,8 @@ async def create(config: Config | None = None, *, rank: int | None = None, world
     comm._executor.mailbox = mailbox
     tracing = _clock.tracer_of(comm) is not None
     if size > 1:
-        single, every_rank_traces = await _agree(comm, cfg.single_copy and all(l.single_copy for l in links.values()),
-                                                 tracing)
+        single_copy = cfg.single_copy and all(link.single_copy for link in links.values())
+        single, every_rank_traces = await _agree(comm, single_copy, tracing)
         comm._set_topology(dataclasses.replace(comm.topology, single_copy=single))
         if tracing and not every_rank_traces:
             logging.getLogger("ahcomm.trace").warning(
@@ -231,8 +243,56 @@ async def _rendezvous(rank: int, size: int, port: int, cfg: Config, info: dict[s
     return await client
 
 
+@dataclasses.dataclass(frozen=True)
+class Peer:
+    """What this rank knows about a peer when it picks the peer's transport."""
+
+    rank: int  # this rank
+    entry: dict[str, Any]  # the peer's rendezvous entry (rank, host, endpoints, shm, ...)
+    same_host: bool
+    cfg: Config
+    channel: Channel
+    progress: Progress
+
+    @property
+    def peer(self) -> int:
+        return int(self.entry["rank"])
+
+
+@dataclasses.dataclass(frozen=True)
+class Transport:
+    """One entry of ``TRANSPORTS``: a name, whether it can reach a peer, and how to open the link."""
+
+    name: str
+    can_connect: Callable[[Peer], bool]
+    open: Callable[[Peer], Link]
+
+
+def _sdma_can_connect(p: Peer) -> bool:
+    return (p.same_host and p.cfg.transport != "rdma" and bool(p.entry.get("shm"))
+            and "ipc" in p.entry["endpoints"])
+
+
+def _open_sdma(p: Peer) -> Link:
+    shm_in, shm_out = p.entry["shm"]
+    return SdmaLink(p.rank, p.peer, p.channel, p.entry["endpoints"]["ipc"], shm_in, shm_out,
+                    int(p.entry["buffsize"]), p.progress.reached, int(p.entry.get("pid", 0)),
+                    int(p.entry.get("probe", 0)))
+
+
+def _open_rdma(p: Peer) -> Link:
+    return RdmaLink(p.rank, p.peer, p.channel, p.entry["endpoints"]["tcp"], p.progress.reached)
+
+
+TRANSPORTS: tuple[Transport, ...] = (
+    Transport("sdma", _sdma_can_connect, _open_sdma),
+    Transport("rdma", lambda p: "tcp" in p.entry["endpoints"], _open_rdma),
+)
+
+
 def _connect(rank: int, table: list[dict[str, Any]], channel: Channel, cfg: Config, host: str,
              progress: Progress) -> dict[int, Link]:
+    """One link per peer, each by the first entry of ``TRANSPORTS`` that can connect it."""
     links: dict[int, Link] = {}
     for entry in table:
         peer = int(entry["rank"])
@@ -241,13 +301,13 @@ def _connect(rank: int, table: list[dict[str, Any]], channel: Channel, cfg: Conf
         same_host = entry["host"] == host
         if cfg.transport == "sdma" and not same_host:
             raise ConfigError(f"AHCOMM_TRANSPORT=sdma but rank {peer} is on another host ({entry['host']})")
-        if same_host and cfg.transport != "rdma" and entry.get("shm") and "ipc" in entry["endpoints"]:
-            shm_in, shm_out = entry["shm"]
-            links[peer] = SdmaLink(rank, peer, channel, entry["endpoints"]["ipc"], shm_in, shm_out,
-                                   int(entry["buffsize"]), progress.reached, int(entry.get("pid", 0)),
-                                   int(entry.get("probe", 0)))
-        else:
-            links[peer] = RdmaLink(rank, peer, channel, entry["endpoints"]["tcp"], progress.reached)
+        reach = Peer(rank, entry, same_host, cfg, channel, progress)
+        transport = next((t for t in TRANSPORTS if t.can_connect(reach)), None)
+        if transport is None:
+            tried = ", ".join(t.name for t in TRANSPORTS)
+            raise ConnectError(f"rank {rank}: no transport can reach rank {peer} (endpoints: "
+                               f"{', '.join(entry['endpoints']) or 'none'}; tried {tried})")
+        links[peer] = transport.open(reach)
     return links
 
 

@@ -1,6 +1,6 @@
 """The catalogue's collectives: reduce, gather, scatter, all_to_all and the uneven variants.
 
-A mixin of ``Comm``, typed against ``_core.CommCore``. Blocks are rows along axis 0; ``Call.counts`` carries them in
+A mixin of ``Comm`` (typed against ``_core.CommCore``). Blocks are rows along axis 0; ``Call.counts`` carries them in
 elements. Where a rank cannot know every count (all_gather_v, gather_v, scatter_v without
 counts, all_to_all_v without receive counts) a small count exchange runs first as its own
 collective, and the main one is filled in when its turn comes: both take their sequence
@@ -10,15 +10,16 @@ numbers when the call is made, so matching across ranks is unchanged.
 from __future__ import annotations
 
 import asyncio
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 
+from ._core import FrontEnd, Job
+from ._core import Gathered as Gathered  # its home for users: ahcomm.Gathered
 from ._devices import device_aware
 from ._dtypes import ReduceOp, check_reduce, finish_avg
 from ._errors import InvalidArgument, InvalidDtype, UsageError
-from ._core import FrontEnd, Job
-from ._core import Gathered as Gathered  # its home for users: ahcomm.Gathered
 from .algorithms.base import Call
 
 
@@ -256,7 +257,8 @@ class BlockedCollectives(FrontEnd):
         try:
             rows = tuple(int(c) for c in counts)
         except (TypeError, ValueError):
-            raise InvalidArgument(f"{what}: {name} must be a sequence of {self.size} integers, got {counts!r}") from None
+            raise InvalidArgument(
+                f"{what}: {name} must be a sequence of {self.size} integers, got {counts!r}") from None
         if len(rows) != self.size or any(c < 0 for c in rows):
             raise InvalidArgument(f"{what}: {name} must be {self.size} non-negative integers "
                                   f"(one per rank), got {list(rows)}")
@@ -279,7 +281,8 @@ class BlockedCollectives(FrontEnd):
         """The root's data, or (elsewhere) an array giving the dtype and row shape."""
         if x is None and (self.rank == root or out is None):
             self._check_open()
-            raise InvalidArgument(f"{what}: x is required {'at the root' if self.rank == root else 'unless out= is given'}")
+            where = "at the root" if self.rank == root else "unless out= is given"
+            raise InvalidArgument(f"{what}: x is required {where}")
         if x is None:
             assert out is not None
             self._check_open()

@@ -38,29 +38,27 @@ import asyncio
 import threading
 import time
 from collections import deque
-from typing import Any, Awaitable, Callable, Self, Sequence
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, Self
 
 import numpy as np
 
-from . import _flight
+from . import _flight, _groups
 from ._buffers import CclBuffers
 from ._collectives import BlockedCollectives, flat_view
 from ._core import Job
 from ._devices import device_aware, take_staging
 from ._dtypes import ReduceOp, check_dtype, check_reduce, ufunc_for
-from ._errors import CommClosedError, InvalidArgument, UsageError, check_timeout
-from . import _groups
+from ._errors import CommClosedError, InvalidArgument, check_timeout
+from ._flight import FlightRecorder
 from ._health import Health, mark
 from ._objects import ObjectCollectives
 from ._p2p import PointToPoint
 from ._sync import ThreadsafeCalls
-from ._flight import FlightRecorder
 from .algorithms._executor import Executor, Progress
 from .algorithms._selection import Selector
-from .algorithms.base import WHOLE, Algorithm, Call, Topology
+from .algorithms.base import WHOLE, Call, Topology
 from .transports.base import Link
-
-
 
 _UFUNCS: dict[tuple[ReduceOp, np.dtype], np.ufunc] = {}  # ufunc_for's answers (a few dozen at most)
 

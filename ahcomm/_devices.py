@@ -62,14 +62,25 @@ import functools
 import sys
 import threading
 from collections import OrderedDict
+from collections.abc import AsyncIterator, Callable
 from contextvars import ContextVar
-from typing import Any, AsyncIterator, Callable, TypeVar, cast, overload
+from typing import Any, TypeVar, cast, overload
 
 import ml_dtypes
 import numpy as np
 
-__all__ = ["Staged", "StagingPool", "POOL", "stage", "to_host", "host_out", "staged_chunks", "is_device_tensor",
-           "device_aware", "take_staging"]
+__all__ = [
+    "POOL",
+    "Staged",
+    "StagingPool",
+    "device_aware",
+    "host_out",
+    "is_device_tensor",
+    "stage",
+    "staged_chunks",
+    "take_staging",
+    "to_host",
+]
 
 #: chunk of the device-to-host copy when ``stage`` is given no ``chunk_bytes`` (8 MiB: a
 #: few hundred microseconds at PCIe speeds, small against the collectives' slices)
@@ -248,7 +259,7 @@ def _copy_stream(device: Any) -> Any:
 class _Side:
     """One tensor argument (input or out) and its host view."""
 
-    __slots__ = ("obj", "kind", "host", "device", "buf")
+    __slots__ = ("buf", "device", "host", "kind", "obj")
 
     def __init__(self, obj: Any, kind: str, host: np.ndarray, device: Any = None, buf: Any = None) -> None:
         self.obj = obj  # what the caller passed
@@ -268,7 +279,7 @@ class Staged:
     (the call failed).
     """
 
-    __slots__ = ("_x", "_out", "_events", "_result_buf", "_done")
+    __slots__ = ("_done", "_events", "_out", "_result_buf", "_x")
 
     def __init__(self, x: _Side, out: _Side | None) -> None:
         self._x = x

@@ -8,8 +8,9 @@ costs one small object per call and lookups by seq are O(1).
 
 When a communicator fails (timeout, mismatch, lost or failed peer, broken link) the record
 is written as JSON to ``AHCOMM_FLIGHT_DIR`` (default: the temp dir, where only this user's
-newest ``KEEP_IN_TEMP`` records are kept) and the error names the file. On SIGUSR1 every communicator of the process prints its state to stderr (current op
-and seq, last completed, queue length): ``watch`` installs that handler on the loop when
+newest ``KEEP_IN_TEMP`` records are kept) and the error names the file. On SIGUSR1 every
+communicator of the process prints its state to stderr (current op and seq, last completed,
+queue length): ``watch`` installs that handler on the loop when
 the loop runs in the main thread and nobody else handles SIGUSR1 (default or ignored; an
 ignored SIGUSR1, as ahcomm-run gives its ranks, is ignored again once the last communicator
 closes).
@@ -112,7 +113,7 @@ def _write_whole(path: str, data: bytes) -> bool:
 class Entry:
     """One collective's record (``call`` is the communicator's own Call: no data arrays)."""
 
-    __slots__ = ("call", "algorithm", "state", "issued", "started", "ended", "error", "timeout")
+    __slots__ = ("algorithm", "call", "ended", "error", "issued", "started", "state", "timeout")
 
     def __init__(self, call: Call, timeout: float | None) -> None:
         self.call = call

@@ -19,8 +19,14 @@ from typing import Any
 import msgpack
 
 from ._core import CommState, Job
-from ._errors import (AhcommError, CollectiveMismatchError, CollectiveTimeout, PeerFailure, TransportError,
-                      UsageError)
+from ._errors import (
+    AhcommError,
+    CollectiveMismatchError,
+    CollectiveTimeout,
+    PeerFailure,
+    TransportError,
+    UsageError,
+)
 from ._flight import Entry, FlightRecorder, describe
 from ._retire import Retirement
 from .algorithms._executor import Executor
@@ -111,8 +117,8 @@ class Health:
         call = self._call_for(seq)
         mine = describe(call) if call is not None else "an unknown collective"
         op = call.op if call is not None else "collective"
-        text = (f"{op} #{seq} mismatch: {self.name(self._comm.rank)} called {mine}, {self.name(peer)} called a different "
-                f"collective (fingerprint {theirs:#010x})")
+        text = (f"{op} #{seq} mismatch: {self.name(self._comm.rank)} called {mine}, {self.name(peer)} called a "
+                f"different collective (fingerprint {theirs:#010x})")
         error = CollectiveMismatchError(text, seq=seq, ranks=tuple(sorted((self._comm.rank, peer))))
         self._freeze(error, self._diagnose_mismatch(peer, seq, theirs, call))
 
@@ -269,7 +275,8 @@ class Health:
             "next": self._comm._seq, "running": job.call.seq if job is not None else -1,
             "running_op": job.call.op if job is not None else None,
             "algorithm": job.algorithm.name if job is not None and job.algorithm is not None else None,
-            "started": self._comm._started_seq, "done": self._comm._done_seq, "queued": len(self._comm._queue), "last_op": last.op if last is not None else None,
+            "started": self._comm._started_seq, "done": self._comm._done_seq, "queued": len(self._comm._queue),
+            "last_op": last.op if last is not None else None,
             "failed": str(self.error) if self.error is not None else None,
         }
 
@@ -295,7 +302,8 @@ class Health:
         finally:
             for rid in ids:
                 self._requests.pop(rid, None)
-        out: dict[int, dict[str, Any] | None] = {p: None for p in (peers if peers is not None else self._executor.links)}
+        asked = peers if peers is not None else self._executor.links
+        out: dict[int, dict[str, Any] | None] = dict.fromkeys(asked)
         for peer, fut in waiting.items():
             if fut.done() and not fut.cancelled():
                 out[peer] = fut.result()
@@ -314,7 +322,8 @@ class Health:
         self.error = error
         self._executor.abort(error)
         assert self._comm._loop is not None
-        self.diagnosis = self._comm._loop.create_task(self._settle(error, diagnosis), name=f"ahcomm-diagnosis-{self._comm.rank}")
+        self.diagnosis = self._comm._loop.create_task(self._settle(error, diagnosis),
+                                                      name=f"ahcomm-diagnosis-{self._comm.rank}")
 
     async def _settle(self, error: BaseException,
                       diagnosis: "Coroutine[Any, Any, tuple[BaseException, tuple[str, str]]]") -> None:
@@ -361,8 +370,9 @@ class Health:
         if tell is not None:
             kind, text = tell
             facts = {key: getattr(error, key) for key in ("op", "seq") if getattr(error, key, None) is not None}
-            if getattr(error, "missing", None):
-                facts["missing"] = list(getattr(error, "missing"))
+            missing = getattr(error, "missing", None)
+            if missing:
+                facts["missing"] = list(missing)
             payload = _pack({"t": "fail", "kind": kind, "msg": text[:16000], **facts, **(extra or {})})
             for peer in self._executor.links:
                 self._executor.send_control(peer, payload)
@@ -535,7 +545,8 @@ class Health:
         if job is not None:
             now = self._comm._loop.time() if self._comm._loop is not None else self._comm._started
             algo = f" [{job.algorithm.name}]" if job.algorithm is not None else ""
-            doing = f"running {job.call.op} #{job.call.seq} {describe(job.call)}{algo} for {now - self._comm._started:.1f} s"
+            took = now - self._comm._started
+            doing = f"running {job.call.op} #{job.call.seq} {describe(job.call)}{algo} for {took:.1f} s"
         else:
             doing = "idle"
         last = self._call_for(self._comm._done_seq) if self._comm._done_seq >= 0 else None

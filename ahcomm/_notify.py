@@ -12,7 +12,7 @@ from collections import deque
 
 
 class Notify:
-    __slots__ = ("name", "_value", "_waiters", "_error", "overruns")
+    __slots__ = ("_error", "_value", "_waiters", "name", "overruns")
 
     def __init__(self, name: str = "notify") -> None:
         self.name = name

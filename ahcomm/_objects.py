@@ -1,12 +1,13 @@
 """Object collectives over msgpack (never pickle): for configuration and metadata.
 
-A mixin of ``Comm``, typed against ``_core.CommCore``. Objects are what msgpack encodes (None, bool, int, float, str, bytes,
+A mixin of ``Comm``. Objects are what msgpack encodes (None, bool, int, float, str, bytes,
 lists/tuples and dicts of them). Each call takes its sequence numbers when it is made, like
 every collective: a length exchange first, then the bytes. An object that cannot be encoded
 is a check only its rank can make, so that rank still takes part: it sends the error in
 place of the object (every payload starts with a flag byte), and every rank that receives
 it raises the same ``InvalidArgument`` naming the rank (gather_object: the root and the
 rank itself; the other ranks learn it from the length exchange). The job stays in step.
+(Its methods see the communicator as ``_core.CommCore``.)
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ from ._collectives import retrieved
 from ._core import FrontEnd, Gathered, Job
 from ._errors import InvalidArgument
 from .algorithms.base import Call
-
 
 _BYTES = np.dtype(np.uint8)
 _OK, _FAILED = 0, 1  # a payload's first byte: the object follows, or this rank's error (utf-8)
@@ -50,7 +50,8 @@ def _decode(data: np.ndarray, what: str, rank: int) -> Any:
 class ObjectCollectives(FrontEnd):
     """broadcast_object, all_gather_object, gather_object."""
 
-    def broadcast_object(self, obj: Any = None, root: int = 0, *, timeout: float | None = None) -> "asyncio.Future[Any]":
+    def broadcast_object(self, obj: Any = None, root: int = 0, *,
+                         timeout: float | None = None) -> "asyncio.Future[Any]":
         """The root's ``obj`` on every rank (other ranks' ``obj`` is ignored)."""
         self._check_open()
         self._check_root(root, "broadcast_object")

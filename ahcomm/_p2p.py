@@ -1,20 +1,22 @@
 """Point-to-point: send, recv and batch_send_recv (HcclSend/HcclRecv, HcclBatchSendRecv).
 
-A mixin of ``Comm``, typed against ``_core.CommCore``. Messages do not take the communicator's sequence numbers (only two
+A mixin of ``Comm``. Messages do not take the communicator's sequence numbers (only two
 ranks take part) and do not wait behind collectives: they travel as link messages, matched
 by (tag, per-pair order) as MPI matches (source, tag) without overtaking. A send is eager:
 it never waits for the matching recv to be posted, so any order of sends and receives is
 deadlock-free (batch_send_recv just issues them all). A send completes when the peer
 holds the bytes; leave ``x`` alone until then. The metadata frame carries dtype and shape,
 so ``recv`` can build the array itself or check ``out`` against what was sent.
+(Its methods see the communicator as ``_core.CommCore``.)
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any
 
 import msgpack
 import numpy as np

@@ -93,7 +93,8 @@ def check_entry(info: Any) -> dict[str, Any]:
         raise ValueError("'host' must be a string")
     endpoints = info.get("endpoints")
     if (not isinstance(endpoints, dict) or not endpoints or
-            not all(k in ENDPOINT_KINDS and isinstance(v, str) and v.startswith(f"{k}://") for k, v in endpoints.items())):
+            not all(k in ENDPOINT_KINDS and isinstance(v, str) and v.startswith(f"{k}://")
+                    for k, v in endpoints.items())):
         raise ValueError("'endpoints' must map 'ipc'/'tcp' to addresses of that kind")
     shm = info.get("shm")
     if shm is not None and not (isinstance(shm, list) and len(shm) == 2 and all(isinstance(n, str) for n in shm)):
@@ -249,7 +250,8 @@ async def serve(addr: str, port: int, size: int, timeout: float, creds: Credenti
         try:
             sock.bind(f"tcp://{_resolve(addr)}:{port}")
         except zmq.ZMQError as exc:
-            hint = " (is another rank 0 running, or torchrun's store on this port?)" if exc.errno == zmq.EADDRINUSE else ""
+            hint = (" (is another rank 0 running, or torchrun's store on this port?)"
+                    if exc.errno == zmq.EADDRINUSE else "")
             raise ConnectError(f"rank 0 cannot serve the rendezvous on {addr}:{port}: {exc}{hint}") from exc
         stats.last_endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
         if bound is not None and not bound.done():

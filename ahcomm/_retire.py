@@ -62,7 +62,8 @@ class Retirement:
         if len(self.mine) >= MAX_RETIRED:
             del self.mine[min(self.mine)]
         self.mine[seq] = (call.op, text)
-        ran = self._comm._started_seq >= seq  # rejected by the executor (the algorithm's resources): on every rank alike
+        # rejected by the executor (the algorithm's resources): on every rank alike
+        ran = self._comm._started_seq >= seq
         self._health.send_all({"t": "ret", "seq": seq, "op": call.op, "msg": text[:4000], "ran": ran})
         for link in self._executor.links.values():
             try:
@@ -102,7 +103,8 @@ class Retirement:
     def _disagree(self, seq: int, op: str, rejected: int, text: str, called: int) -> None:
         if self._health.final is not None:
             return
-        message = (f"{op} #{seq} mismatch: {self._health.name(rejected)} rejected it ({text}), {self._health.name(called)} "
+        name = self._health.name
+        message = (f"{op} #{seq} mismatch: {name(rejected)} rejected it ({text}), {name(called)} "
                    f"called it; the communicator is now unusable")
         suffix, path = self._health.record(message)
         error = CollectiveMismatchError(message + suffix, seq=seq, ranks=tuple(sorted((rejected, called))))

@@ -20,7 +20,8 @@ import os
 import signal
 import subprocess
 import sys
-from typing import BinaryIO, Callable
+from collections.abc import Callable
+from typing import BinaryIO
 
 PR_SET_PDEATHSIG = 1
 HOLD_SECONDS = 0.5  # a traceback's last lines wait this long for a chained one before they are shown
@@ -114,7 +115,7 @@ class Tagger:
                     line = await asyncio.wait_for(_next_line(stream), HOLD_SECONDS)
                 else:
                     line = await _next_line(stream)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 self.flush()
                 continue
             if not line:

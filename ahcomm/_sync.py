@@ -17,7 +17,8 @@ import asyncio
 import concurrent.futures
 import threading
 from collections import deque
-from typing import TYPE_CHECKING, Any, Callable, cast
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, cast
 
 from . import _flight
 from ._errors import CommClosedError, UsageError, WrongLoopError

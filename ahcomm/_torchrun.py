@@ -13,7 +13,8 @@ import datetime
 import importlib
 import itertools
 import os
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from ._errors import ConfigError, ConnectError
 
@@ -36,7 +37,7 @@ class StorePort:
 
     def _store(self) -> Any:
         try:
-            tcp_store: Any = getattr(importlib.import_module("torch.distributed"), "TCPStore")
+            tcp_store: Any = importlib.import_module("torch.distributed").TCPStore
         except (ImportError, AttributeError) as exc:
             raise ConfigError(f"under torchrun ahcomm finds its rendezvous through torchrun's store, which needs "
                               f"torch.distributed ({exc}); or set AHCOMM_MASTER_PORT to a free port") from None

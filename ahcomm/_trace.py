@@ -24,9 +24,10 @@ import logging
 import os
 import socket
 from collections import deque
+from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
 from time import perf_counter_ns
-from typing import Any, Awaitable, Callable, Mapping, Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -90,7 +91,7 @@ class _Later:
     """A traced task's pending awaitable: awaiting it records the span when it completes;
     ``close()`` (the stream dropped the task) closes the task's own coroutine."""
 
-    __slots__ = ("task", "pending")
+    __slots__ = ("pending", "task")
 
     def __init__(self, task: "_Task", pending: Awaitable[Any]) -> None:
         self.task, self.pending = task, pending
@@ -107,8 +108,20 @@ class _Later:
 class _Task:
     """A stream task with its span: runs ``fn`` and records when it started and completed."""
 
-    __slots__ = ("tracer", "track", "kind", "fn", "nbytes", "peer", "detail", "index", "seq", "start", "end",
-                 "error")
+    __slots__ = (
+        "detail",
+        "end",
+        "error",
+        "fn",
+        "index",
+        "kind",
+        "nbytes",
+        "peer",
+        "seq",
+        "start",
+        "tracer",
+        "track",
+    )
 
     def __init__(self, tracer: Tracer, track: str, kind: str, fn: TaskFn, nbytes: int, peer: int,
                  detail: object, index: int, seq: int) -> None:
@@ -184,7 +197,7 @@ def _noop() -> None:
 class _Collective:
     """One collective's span on the collectives track (its args are built when written)."""
 
-    __slots__ = ("call", "algorithm", "start", "end", "error")
+    __slots__ = ("algorithm", "call", "end", "error", "start")
     track = COLLECTIVES
 
     def __init__(self, call: CallFacts, algorithm: str, start: int, end: int, error: str | None) -> None:

@@ -23,12 +23,13 @@ import math
 import os
 import sys
 import time
-from typing import TYPE_CHECKING, Any, Iterator, Sequence
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 if TYPE_CHECKING:
-    from .algorithms._cost import CostModel, LinkCost
+    from .algorithms.cost import CostModel, LinkCost
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "gather", "scatter", "all_to_all")
 BLOCKED = ("all_gather", "reduce_scatter", "gather", "scatter", "all_to_all")  # size counts n blocks
@@ -196,7 +197,7 @@ async def sweep(comm: Any, args: argparse.Namespace, algorithm: str | None) -> l
     if comm.rank == 0:
         print(f"# ahcomm-bench {args.op}  np={n}  dtype={dtype}  algorithm={algorithm or 'auto'}"
               f"  {'in-place' if args.inplace else 'out-of-place'}  links="
-              f"{','.join(sorted({l['kind'] for l in comm.stats()['links'].values()})) or 'none'}")
+              f"{','.join(sorted({link['kind'] for link in comm.stats()['links'].values()})) or 'none'}")
         print(f"#{'size':>12} {'count':>12} {'type':>8} {'redop':>6} {'root':>5} "
               f"{'time(us)':>11} {'algbw':>8} {'busbw':>8} {'#wrong':>7}  algorithm", flush=True)
     for nbytes in sizes(args.minbytes, args.maxbytes, args.stepfactor):
@@ -259,7 +260,8 @@ async def run_rank(args: argparse.Namespace) -> list[dict[str, Any]]:
             rows += await sweep(comm, args, args.algorithm)
         table = selection_table(rows) if args.algorithm == "all" else []
         if comm.rank == 0 and table:
-            print(f"# selector vs measured ({args.op}, np={comm.size}): pick within 10% of the best where ratio <= 1.10")
+            print(f"# selector vs measured ({args.op}, np={comm.size}): "
+                  "pick within 10% of the best where ratio <= 1.10")
             print(f"#{'size':>12} {'pick':>10} {'best':>10} {'pick(us)':>11} {'best(us)':>11} {'ratio':>6}")
             for t in table:
                 print(f" {t['size']:>12} {t['pick']:>10} {t['best']:>10} {t['pick_us']:>11.1f} {t['best_us']:>11.1f} "
@@ -364,7 +366,7 @@ def fit_link(kind: str, points: list[dict[str, Any]], model: CostModel, single_c
     import dataclasses
 
     from .algorithms import REGISTRY, Call, Topology
-    from .algorithms._cost import CostModel, LinkCost
+    from .algorithms.cost import CostModel, LinkCost
 
     topo = Topology(rank=0, size=2, hosts=("calibration",) * 2, link_kinds=("self", kind),
                     all_mapped=kind != "rdma", single_copy=single_copy and kind != "rdma")
@@ -397,7 +399,7 @@ def calibrate() -> None:
     import dataclasses
     import tempfile
 
-    from .algorithms import _cost
+    from .algorithms import cost as _cost
     from .run import launch
 
     gamma, copy, engine = local_rates()

@@ -29,7 +29,7 @@ import secrets
 import signal
 import socket
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
 from ._runproc import Tagger, Watchdog, child_setup
 
@@ -238,7 +238,7 @@ async def launch_hosts(hosts: list[tuple[str, int]], program: Sequence[str], *, 
     tag = size > 1 if tag_output is None else tag_output  # every host's output comes to this terminal
     procs: list[asyncio.subprocess.Process] = []
     first = 0
-    for node, (host, slots) in enumerate(hosts):
+    for host, slots in hosts:
         remote = [sys.executable, "-m", "ahcomm.run", "--secret-stdin", "--nproc-per-node", str(slots),
                   "--first-rank", str(first), "--world-size", str(size), "--master-addr", addr,
                   "--master-port", str(port), "--grace", str(grace), "--tag-output" if tag else "--no-tag-output",
@@ -280,7 +280,8 @@ def main(argv: Sequence[str] | None = None) -> None:
                         help="ranks to start on this host")
     parser.add_argument("--nnodes", type=int, default=1, help="hosts in the job (torchrun's style)")
     parser.add_argument("--node-rank", type=int, default=0, help="this host's index, 0 .. nnodes-1")
-    parser.add_argument("-H", "--hosts", default=None, help="host1:N,host2:M: start every host's ranks (mpirun's style)")
+    parser.add_argument("-H", "--hosts", default=None,
+                        help="host1:N,host2:M: start every host's ranks (mpirun's style)")
     parser.add_argument("--hostfile", default=None, help="a file of 'host slots=N' lines (mpirun's style)")
     parser.add_argument("--first-rank", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--world-size", type=int, default=None, help=argparse.SUPPRESS)

@@ -15,8 +15,9 @@ import argparse
 import json
 import sys
 from collections import defaultdict
+from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any
 
 from ._trace import metadata
 
@@ -58,7 +59,7 @@ def merge(docs: Sequence[dict[str, Any]], flows: bool = True) -> dict[str, Any]:
     labels = _labels(infos)
     meta: list[Event] = []
     spans: list[Event] = []
-    for pid, (doc, info, shift) in enumerate(zip(docs, infos, shifts)):
+    for pid, (doc, _info, shift) in enumerate(zip(docs, infos, shifts)):
         tracks = {e["args"]["name"]: e["tid"] for e in doc["traceEvents"]
                   if e.get("ph") == "M" and e.get("name") == "thread_name"}
         meta += metadata(pid, labels[pid], tracks)

@@ -4,7 +4,9 @@
     ahcomm-run -n 4 python examples/custom_algorithm.py  # 4 processes, SDMA links
 
 Three steps, as in HCCL: select (can it run this call?), resources (how many sub-streams,
-how much per run) and orchestrate (tasks on the main stream and the sub-streams).
+how much per run) and orchestrate (tasks on the main stream and the sub-streams; the
+``runs`` table maps each op the algorithm supports to its orchestration). In process, the
+example then checks the algorithm against numpy with ``ahcomm.testing``.
 """
 
 import asyncio
@@ -13,13 +15,12 @@ import os
 import numpy as np
 
 import ahcomm
-from ahcomm.algorithms import Algorithm, Call, Context, Resources, Topology, register
-from ahcomm.transports.base import Signal
+from ahcomm.algorithms import Algorithm, Call, Context, Resources, Signal, Topology, register
+from ahcomm.testing import acheck_algorithm
 
 
 class HelloAllGatherMesh(Algorithm):
     name = "hello_mesh"
-    ops = frozenset({"all_gather"})
 
     def select(self, call: Call, topo: Topology) -> bool:  # 1. select: one host, peers' buffers mapped
         return call.op in self.ops and topo.all_mapped
@@ -27,7 +28,7 @@ class HelloAllGatherMesh(Algorithm):
     def resources(self, call: Call, topo: Topology, half_bytes: int) -> Resources:  # 2. resources
         return Resources(substreams=topo.size - 1, max_count=half_bytes // call.itemsize)
 
-    async def orchestrate(self, ctx: Context) -> None:  # 3. orchestrate
+    async def _all_gather(self, ctx: Context) -> None:  # 3. orchestrate
         r, n, count = ctx.rank, ctx.size, ctx.src.size
         staged = ctx.typed(ctx.ccl_out, 0, count)
         ctx.main.copy(staged, ctx.src)  # user input -> CCL_Out
@@ -46,6 +47,8 @@ class HelloAllGatherMesh(Algorithm):
         for i in range(1, n):
             ctx.main.wait(ctx.local(("done", i)))  # MainWaitSub
         await ctx.synchronize()
+
+    runs = {"all_gather": _all_gather}  # op -> its orchestration; the keys are the ops it supports
 
 
 async def rank_main(comm: ahcomm.Comm) -> None:
@@ -68,6 +71,9 @@ async def main() -> None:
     comms = await ahcomm.init_inprocess(4, buffsize=1 << 20)
     await asyncio.gather(*(rank_main(c) for c in comms))
     await asyncio.gather(*(c.close() for c in comms))
+    # Against numpy: 2..5 ranks, float32/int32, empty, tiny, odd and sliced (> one CCL half) inputs.
+    cases = await acheck_algorithm(HelloAllGatherMesh(), world_sizes=(2, 3, 5), counts=(0, 1, 7, 100_000))
+    print(f"check_algorithm: hello_mesh matches numpy in {cases} cases")
 
 
 if __name__ == "__main__":

@@ -7,9 +7,9 @@ from __future__ import annotations
 import os
 
 import numpy as np
+from mp_catalogue import run_catalogue, run_rank
 
 import ahcomm
-from mp_catalogue import run_catalogue, run_rank
 
 
 async def main() -> None:
@@ -24,7 +24,7 @@ async def main() -> None:
     assert comm.topology.servers == len(layout), comm.topology
     cases = await run_catalogue(comm)
     await sub_communicators(comm, host_of)
-    moved = {kind: sum(l["bytes_sent"] for l in comm.stats()["links"].values() if l["kind"] == kind)
+    moved = {kind: sum(link["bytes_sent"] for link in comm.stats()["links"].values() if link["kind"] == kind)
              for kind in ("sdma", "rdma")}
     await comm.close()
     print(f"OK rank {r}/{n} host {host_of[r]} cases={cases} sdma_bytes={moved['sdma']} rdma_bytes={moved['rdma']}",

@@ -7,7 +7,8 @@ from __future__ import annotations
 import asyncio
 import os
 import sys
-from typing import Any, Callable, Coroutine
+from collections.abc import Callable, Coroutine
+from typing import Any
 
 import numpy as np
 

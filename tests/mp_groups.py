@@ -15,9 +15,9 @@ import signal
 import time
 
 import numpy as np
+from mp_catalogue import run_catalogue, run_rank
 
 import ahcomm
-from mp_catalogue import run_catalogue, run_rank
 
 
 def open_sockets() -> int:

@@ -19,7 +19,7 @@ import os
 import shutil
 import subprocess
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
 
 def _ip(*args: str, ns: str | None = None) -> None:

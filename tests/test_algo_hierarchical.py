@@ -19,11 +19,11 @@ import numpy as np
 import pytest
 
 import ahcomm
-from ahcomm.algorithms import REGISTRY, Call, Topology
-from ahcomm.algorithms import hierarchical
-from ahcomm.algorithms._cost import CostModel
+from ahcomm.algorithms import REGISTRY, Call, Topology, hierarchical
 from ahcomm.algorithms._hier import Layout, tree
-from conftest import assert_close, reduce_ref
+from ahcomm.algorithms.cost import CostModel
+
+from support.numerics import assert_close, reduce_ref
 
 LAYOUTS = {"2x2": [2, 2], "3+1": [3, 1], "1+3": [1, 3], "4x2": [2, 2, 2, 2], "1+1+1": [1, 1, 1],
            "5+2": [5, 2], "3x3": [3, 3, 3], "4+4+1": [4, 4, 1]}

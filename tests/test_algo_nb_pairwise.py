@@ -15,7 +15,8 @@ import pytest
 import ahcomm
 from ahcomm.algorithms import names
 from ahcomm.algorithms.nb import distances
-from conftest import run_inproc
+
+from support.inproc import run_inproc
 
 SIZES = [1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 16]
 DTYPES = [np.float32, np.float64, np.int32, np.int8, np.float16, np.bool_, np.uint64]
@@ -88,7 +89,7 @@ async def test_all_to_all(size: int, rng: np.random.Generator) -> None:
         return results
 
     results = await run_inproc(size, body, buffsize=buff)
-    for k, (algo, xs, _) in enumerate(cases):
+    for k, (_algo, xs, _) in enumerate(cases):
         for r in range(size):
             check(results[r][k], np.concatenate([np.split(x, size)[r] for x in xs]))
 

@@ -18,7 +18,9 @@ import pytest
 
 import ahcomm
 from ahcomm.transports import mailbox
-from conftest import assert_close, reduce_ref, run_inproc
+
+from support.inproc import run_inproc
+from support.numerics import assert_close, reduce_ref
 
 SIZES = [1, 2, 3, 4, 5, 6, 7, 8, 9]
 DTYPES = [np.float32, np.float64, np.int32, np.int8, np.float16, np.bool_, np.uint64, ml_dtypes.bfloat16]

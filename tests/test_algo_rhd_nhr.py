@@ -17,7 +17,9 @@ import ahcomm
 from ahcomm.algorithms import names
 from ahcomm.algorithms.nhr import Layout, all_gather_step, reduce_scatter_step, steps, tree_order
 from ahcomm.algorithms.rhd import Fold
-from conftest import assert_close, reduce_ref, run_inproc
+
+from support.inproc import run_inproc
+from support.numerics import assert_close, reduce_ref
 
 ALGOS = ["rhd", "nhr"]
 SIZES = [1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 16]
@@ -85,7 +87,7 @@ def expected(case: Case, rank: int, size: int) -> np.ndarray:
     if op == "all_gather" or op == "all_gather_v":
         return np.concatenate(xs)
     assert counts is not None
-    d = np.cumsum([0] + counts)
+    d = np.cumsum([0, *counts])
     return reduce_ref(xs, red)[d[rank]:d[rank + 1]]
 
 
@@ -169,7 +171,7 @@ def test_nhr_schedule_reduces_each_contribution_once(n: int) -> None:
     for s in range(steps(n)):
         moves = []
         for r in range(n):
-            to, frm, tx, rx = reduce_scatter_step(r, n, s)
+            to, frm, tx, _rx = reduce_scatter_step(r, n, s)
             assert reduce_scatter_step(to, n, s)[1:4:2] == (r, tx)  # the peer expects exactly these
             assert frm == (r + (1 << s)) % n
             moves += [(to, b, set(held[r][b])) for b in tx]
@@ -212,12 +214,12 @@ def test_rhd_fold_gives_every_block_one_owner(n: int) -> None:
     assert sorted(v for v in owners if v is not None) == list(range(fold.p))
     assert [fold.real(v) for v in range(fold.p)] == [r for r in range(n) if owners[r] is not None]
     for v in range(fold.p):
-        keep = (0, fold.p)
-        for peer, give, keep in fold.halving(v):
+        steps = list(fold.halving(v))
+        for peer, give, _ in steps:
             assert fold.virtual(peer) == v ^ (give[1] - give[0])
-        assert keep == (v, v + 1)
+        assert (steps[-1][2] if steps else (0, fold.p)) == (v, v + 1)
         held = {v}
-        for peer, mine, theirs in fold.doubling(v):
+        for _peer, mine, theirs in fold.doubling(v):
             assert set(range(*mine)) == held
             held |= set(range(*theirs))
         assert held == set(range(fold.p))

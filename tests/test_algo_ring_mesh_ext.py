@@ -8,19 +8,22 @@ larger blocks stream through many pieces and slots; every call of a job is issue
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable
+from typing import Any
 
 import numpy as np
 import pytest
 
 import ahcomm
 from ahcomm.algorithms import REGISTRY, Call, Topology
-from conftest import assert_close, reduce_ref
+
+from support.inproc import busy_flags
+from support.numerics import assert_close, reduce_ref
 
 SIZES = [1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 16]
 RING_OPS = ["all_gather_v", "reduce_scatter_v", "reduce"]
-MESH_OPS = RING_OPS + ["gather", "gather_v", "scatter", "scatter_v", "all_to_all", "all_to_all_v"]
+MESH_OPS = [*RING_OPS, "gather", "gather_v", "scatter", "scatter_v", "all_to_all", "all_to_all_v"]
 DTYPES = [np.float32, np.float64, np.int32, np.int8, np.float16, np.bool_, np.uint64, np.int64]
 COUNTS = [0, 1, 37, 1500]  # 1500 elements > the 1 KiB CCL half for every dtype
 SMALL_BUFF = 2048
@@ -131,9 +134,7 @@ async def run_job(size: int, body: Callable[[ahcomm.Comm], Awaitable[Any]], *, b
     try:
         results = list(await asyncio.wait_for(asyncio.gather(*(body(c) for c in comms)), timeout=60))
         for comm in comms:  # protocol: every notify posted was waited, none posted twice
-            for link in comm._executor.links.values():
-                busy = [k for k, flag in link._notifies.items() if flag.value or flag.overruns]
-                assert not busy, (comm.rank, link.peer, busy)
+            assert not busy_flags(comm), (comm.rank, busy_flags(comm))
         return results
     finally:
         await asyncio.gather(*(c.close() for c in comms))

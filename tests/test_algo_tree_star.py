@@ -11,7 +11,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import itertools
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import pytest
@@ -20,7 +21,9 @@ import ahcomm
 from ahcomm import InvalidArgument
 from ahcomm.algorithms import names, tree
 from ahcomm.algorithms.tree import children
-from conftest import assert_close, reduce_ref, run_inproc
+
+from support.inproc import run_inproc
+from support.numerics import assert_close, reduce_ref
 
 SIZES = [1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 16]
 DTYPES = [np.float32, np.float64, np.int32, np.int8, np.float16, np.bool_, np.uint64]

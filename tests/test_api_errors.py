@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 import ahcomm
-from conftest import run_inproc
+
+from support.inproc import run_inproc
 
 
 async def test_bad_inputs_are_named() -> None:

@@ -14,7 +14,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import ahcomm
-from conftest import assert_close, reduce_ref, run_inproc
+
+from support.inproc import run_inproc
+from support.numerics import assert_close, reduce_ref
 
 SIZES = [1, 2, 3, 4, 5, 6, 7, 8, 9]
 ALGOS = ["ring", "mesh"]
@@ -147,7 +149,8 @@ async def test_results_are_bitwise_identical_across_ranks(rng: np.random.Generat
     size = 5
     xs = [rng.standard_normal(10_001).astype(np.float32) for _ in range(size)]
     for algo in ALGOS:
-        results = await run_inproc(size, lambda c: c.all_reduce(xs[c.rank], algorithm=algo), buffsize=SMALL_BUFF)
+        results = await run_inproc(size, lambda c, algo=algo: c.all_reduce(xs[c.rank], algorithm=algo),
+                                   buffsize=SMALL_BUFF)
         for r in results[1:]:
             assert r.tobytes() == results[0].tobytes()
 
@@ -159,7 +162,7 @@ async def test_results_are_bitwise_identical_across_ranks(rng: np.random.Generat
     tail=st.lists(st.integers(1, 4), max_size=2),
     dtype=st.sampled_from(DTYPES),
     op=st.sampled_from(["sum", "prod", "max", "min", "avg"]),
-    algo=st.sampled_from(ALGOS + [None]),
+    algo=st.sampled_from([*ALGOS, None]),
     buff=st.sampled_from([1024, 4096, 1 << 16]),
     seed=st.integers(0, 2**16),
 )
@@ -235,7 +238,8 @@ async def test_ahcomm_algo_routes_calls(algo_env: str, expect_puts: bool) -> Non
 async def test_algo_override_that_cannot_serve_names_alternatives() -> None:
     comms = await ahcomm.init_inprocess(2, algo="allreduce=level0:dissemination")
     try:
-        with pytest.raises(ahcomm.InvalidArgument, match="AHCOMM_ALGO'dissemination' cannot run all_reduce.*ring, mesh"):
+        cannot = "AHCOMM_ALGO'dissemination' cannot run all_reduce.*ring, mesh"
+        with pytest.raises(ahcomm.InvalidArgument, match=cannot):
             comms[0].all_reduce(np.ones(4))
     finally:
         await asyncio.gather(*(c.close() for c in comms))

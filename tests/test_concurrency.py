@@ -8,7 +8,8 @@ import time
 import numpy as np
 
 import ahcomm
-from conftest import run_inproc
+
+from support.inproc import run_inproc
 
 
 async def test_many_collectives_in_flight_pair_by_issue_order() -> None:
@@ -52,7 +53,7 @@ async def test_cancelled_awaiter_does_not_break_later_collectives() -> None:
         task = asyncio.ensure_future(asyncio.wait_for(asyncio.shield(fut), 0))
         try:
             await task
-        except asyncio.TimeoutError:
+        except TimeoutError:
             pass
         await fut  # still completes for everyone
         return await comm.all_reduce(np.full(10, comm.rank + 1.0))
@@ -167,7 +168,7 @@ async def test_cancel_through_wait_for_and_of_object_collectives() -> None:
     peer = [comms[1].all_reduce(np.ones(BIG, np.float32), algorithm="ring"), comms[1].broadcast_object(None, root=0)]
     try:
         await with_timeout
-    except asyncio.TimeoutError:
+    except TimeoutError:
         pass
     await _cancel(objects)
     got = await asyncio.wait_for(asyncio.gather(*peer), 30)

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 import ahcomm
-from conftest import run_inproc
+
+from support.inproc import run_inproc
 
 torch = pytest.importorskip("torch", reason="torch is not installed (the `torch` extra)")
 
@@ -26,7 +27,8 @@ async def test_every_collective_takes_and_returns_tensors(size: int, dtype: "tor
             "all_reduce": await comm.all_reduce(x), "all_reduce_out": (await comm.all_reduce(x, out=out)) is out,
             "out": out, "all_gather": await comm.all_gather(x), "reduce_scatter": await comm.reduce_scatter(x),
             "broadcast": await comm.broadcast(x, size - 1), "reduce": await comm.reduce(x, "max", 0),
-            "gather": await comm.gather(x, 0), "scatter": await comm.scatter(x, 0), "all_to_all": await comm.all_to_all(x),
+            "gather": await comm.gather(x, 0), "scatter": await comm.scatter(x, 0),
+            "all_to_all": await comm.all_to_all(x),
             "all_gather_v": await comm.all_gather_v(x[: comm.rank + 1]),
             "strided": await comm.all_reduce(x[:, :1]),  # a non-contiguous view
         }

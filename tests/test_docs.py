@@ -70,7 +70,7 @@ def test_every_exception_is_in_troubleshooting_md() -> None:
 
 
 def _markdown_files() -> list[Path]:
-    return sorted(DOCS.glob("*.md")) + [ROOT / "README.md"]
+    return [*sorted(DOCS.glob("*.md")), ROOT / "README.md"]
 
 
 @pytest.mark.parametrize("path", _markdown_files(), ids=lambda p: p.relative_to(ROOT).as_posix())

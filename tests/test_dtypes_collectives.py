@@ -22,7 +22,9 @@ import numpy as np
 import pytest
 
 import ahcomm
-from conftest import REDUCE_UFUNCS, assert_close, reduce_ref, run_inproc
+
+from support.inproc import run_inproc
+from support.numerics import REDUCE_UFUNCS, assert_close, reduce_ref
 
 # NaN and inf inputs (and float8 overflow) make numpy's loops warn, in the library's streams too
 pytestmark = pytest.mark.filterwarnings("ignore:(invalid value|overflow) encountered:RuntimeWarning")

@@ -23,6 +23,7 @@ def test_custom_algorithm_in_process() -> None:
     assert proc.returncode == 0, proc.stderr
     assert "hello_mesh all_gather on 4 ranks: [0.0, 1.0, 2.0, 3.0, 4.0, 10.0" in proc.stdout
     assert "'hello_mesh'" in proc.stdout
+    assert "check_algorithm: hello_mesh matches numpy in 24 cases" in proc.stdout
 
 
 @pytest.mark.multiprocess

@@ -13,6 +13,8 @@ import pytest
 import ahcomm
 from ahcomm.transports import inproc
 
+from support.inproc import links_of
+
 
 async def close_all(comms: list[ahcomm.Comm]) -> None:
     await asyncio.gather(*(c.close() for c in comms), return_exceptions=True)
@@ -99,7 +101,7 @@ async def test_close_while_a_mismatch_is_being_diagnosed_delivers_the_verdict(mo
     monkeypatch.setattr(_health, "REPLY_WAIT", 0.3)
     monkeypatch.setenv("AHCOMM_FLIGHT_DIR", str(tmp_path))
     comms = await ahcomm.init_inprocess(2, buffsize=1 << 20)
-    for link in comms[1]._executor.links.values():
+    for link in links_of(comms[1]).values():
         link.on_fingerprint = None
         link.on_control = lambda peer, payload: None  # deaf and mute
     mine = comms[0].all_reduce(np.ones(8, np.float32))
@@ -125,9 +127,9 @@ async def test_abort_during_a_diagnosis_wins_and_garbage_control_messages_are_ig
     comms = await ahcomm.init_inprocess(2, buffsize=1 << 20)
     for payload in (b"", b"AHc1", b"AHc1\xc1", b"AHc1" + b"\x92\x01\x02", b"other layer", b"AHc1\x81\xa1t\xa3st?",
                     b"AHc1\x82\xa1t\xa2fp\xa3seq\xa1x"):
-        comms[0]._executor.links[1].send_control(payload)  # arrives at rank 1
+        links_of(comms[0])[1].send_control(payload)  # arrives at rank 1
     assert comms[1]._health.error is None
-    for link in comms[1]._executor.links.values():
+    for link in links_of(comms[1]).values():
         link.on_fingerprint = None
         link.on_control = lambda peer, payload: None
     mine = comms[0].all_reduce(np.ones(8, np.float32))

@@ -11,11 +11,13 @@ from typing import Any
 
 import numpy as np
 import pytest
-
-import ahcomm
-from jobs import run_job
 from mp_catalogue import OPS, check
 from test_multiprocess import launch, shm_names
+
+import ahcomm
+
+from jobs import run_job
+from support.inproc import links_of
 
 HERE = Path(__file__).parent
 
@@ -234,7 +236,7 @@ async def test_groups_made_concurrently_get_distinct_domains() -> None:
     flat = [s for row in subs for s in row if s is not None]
     domains = {}
     for s in flat:
-        for link in s._executor.links.values():
+        for link in links_of(s).values():
             domains.setdefault(s.world_ranks, set()).add(link.domain_key[0])  # type: ignore[attr-defined]
     assert len(set().union(*domains.values())) == len(domains) == 2, domains
     sums = await asyncio.wait_for(asyncio.gather(*(s.all_reduce(np.array([float(s.world_ranks[s.rank])]))

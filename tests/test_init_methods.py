@@ -21,7 +21,8 @@ async def main():
     comm = await ahcomm.init(**kw)
     got = await comm.all_reduce(np.full(4, comm.rank + 1.0))
     kinds = sorted({l["kind"] for l in comm.stats()["links"].values()})
-    print(f"rank {comm.rank}/{comm.size} sum={got[0]:g} servers={comm.topology.servers} kinds={','.join(kinds)}", flush=True)
+    print(f"rank {comm.rank}/{comm.size} sum={got[0]:g} servers={comm.topology.servers} kinds={','.join(kinds)}",
+          flush=True)
     await comm.close()
 asyncio.run(main())
 """

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from ahcomm._runproc import Tagger
+
 from jobs import ROOT, job_env
 
 pytestmark = pytest.mark.multiprocess
@@ -128,7 +129,7 @@ def test_sigint_reaches_ranks_started_from_a_background_job() -> None:
     pids = rank_pids(proc, 2)
     try:
         proc.send_signal(signal.SIGINT)
-        out, err = proc.communicate(timeout=20)
+        _out, err = proc.communicate(timeout=20)
         assert wait_gone(pids, 5.0) == []
     finally:
         kill_all(pids)

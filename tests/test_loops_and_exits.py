@@ -14,8 +14,9 @@ import numpy as np
 import pytest
 
 import ahcomm
-from conftest import run_inproc
+
 from jobs import run_job
+from support.inproc import run_inproc
 
 T = 20
 

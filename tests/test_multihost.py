@@ -11,7 +11,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from netns import Fabric
 
 HERE = Path(__file__).parent
@@ -106,8 +105,8 @@ def test_launcher_mpirun_style_hosts_over_rsh(tmp_path: Path) -> None:
         hostfile = tmp_path / "hosts"
         hostfile.write_text(f"# two hosts\n{fabric.address(0)} slots=3\n{fabric.address(1)} slots=1\n")
         for how in (["-H", f"{fabric.address(0)}:3,{fabric.address(1)}:1"], ["--hostfile", str(hostfile)]):
-            proc = subprocess.run([sys.executable, "-m", "ahcomm.run", *how, "--tag-output", str(HERE / "mh_worker.py")],
-                                  env=env, capture_output=True, text=True, timeout=240)
+            argv = [sys.executable, "-m", "ahcomm.run", *how, "--tag-output", str(HERE / "mh_worker.py")]
+            proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=240)
             assert proc.returncode == 0, proc.stdout + proc.stderr
             assert ok_ranks(proc.stdout) == {0, 1, 2, 3}, proc.stdout
             assert SECRET not in proc.stdout + proc.stderr

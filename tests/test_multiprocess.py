@@ -153,7 +153,8 @@ def test_launcher_multi_host_arguments_are_checked(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if k != "AHCOMM_JOB_SECRET"}
     base = [sys.executable, "-m", "ahcomm.run"]
     no_secret = subprocess.run([*base, "--nnodes", "2", "--nproc-per-node", "1", "--master-addr", "10.0.0.1",
-                                "--master-port", "29500", "python", "-c", "pass"], env=env, capture_output=True, text=True)
+                                "--master-port", "29500", "python", "-c", "pass"],
+                               env=env, capture_output=True, text=True)
     assert no_secret.returncode != 0 and "AHCOMM_JOB_SECRET exported on every host" in no_secret.stderr
     no_master = subprocess.run([*base, "--nnodes", "2", "--nproc-per-node", "1", "python", "-c", "pass"],
                                env={**env, "AHCOMM_JOB_SECRET": "x" * 32}, capture_output=True, text=True)

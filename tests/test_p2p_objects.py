@@ -9,7 +9,8 @@ import pytest
 
 import ahcomm
 from ahcomm import P2POp
-from conftest import run_inproc
+
+from support.inproc import run_inproc
 
 
 @pytest.mark.parametrize("size", [2, 3, 5])

@@ -25,6 +25,7 @@ from ahcomm.transports._auth import Credentials
 from ahcomm.transports._zmq import Channel
 from ahcomm.transports.base import Signal
 from ahcomm.transports.rdma import RdmaLink
+
 from jobs import run_job
 
 SECRET = "peer-loss-test-secret-0123456789"

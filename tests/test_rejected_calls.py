@@ -6,13 +6,15 @@ seconds naming the rank that rejected it and its error (never a timeout)."""
 from __future__ import annotations
 
 import asyncio
-from typing import Any, Awaitable, Callable
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 import numpy as np
 import pytest
 
 import ahcomm
-from conftest import run_inproc
+
+from support.inproc import run_inproc
 
 # Calls here carry timeout=20: a wedged communicator shows up as CollectiveTimeout, not a hang.
 T = 20

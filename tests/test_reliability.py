@@ -13,8 +13,9 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any, Awaitable, Callable
+from typing import Any
 
 import numpy as np
 import pytest
@@ -23,7 +24,9 @@ import ahcomm
 from ahcomm import _buffers, _health
 from ahcomm._collectives import Gathered
 from ahcomm.transports.base import Link
+
 from jobs import job_argv, job_env, run_job
+from support.inproc import links_of
 
 HERE = Path(__file__).parent
 ROOT = HERE.parent
@@ -175,7 +178,7 @@ async def test_the_fingerprint_is_given_when_the_peer_does_not_describe_its_call
         monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(_health, "REPLY_WAIT", 0.2)
     comms = await ahcomm.init_inprocess(2, buffsize=MIB)
-    for link in comms[1]._executor.links.values():
+    for link in links_of(comms[1]).values():
         link.on_fingerprint = None  # rank 1 does not check...
     answer = comms[1]._health.on_control
 
@@ -183,7 +186,7 @@ async def test_the_fingerprint_is_given_when_the_peer_does_not_describe_its_call
         if b"desc?" not in payload:
             answer(peer, payload)
 
-    for link in comms[1]._executor.links.values():
+    for link in links_of(comms[1]).values():
         link.on_control = mute
     got = await outcomes([comms[0].all_reduce(np.ones(8, F32)), comms[1].all_reduce(np.ones(9, F32))])
     fp = comms[1]._flight.find(0).call.fingerprint  # type: ignore[union-attr]
@@ -265,7 +268,7 @@ async def test_timeout_names_a_rank_that_does_not_answer(monkeypatch: pytest.Mon
     monkeypatch.setattr(_health, "REPLY_WAIT", 0.2)
     comms = await ahcomm.init_inprocess(3, buffsize=MIB)
     comms[0]._exec_timeout = 0.3  # AHCOMM_EXEC_TIMEOUT
-    for link in comms[2]._executor.links.values():
+    for link in links_of(comms[2]).values():
         link.on_control = lambda peer, payload: None
     got = await outcomes([comms[0].all_gather(np.ones(4)), comms[1].all_gather(np.ones(4))])
     err = got[0]
@@ -304,8 +307,8 @@ async def test_every_collective_takes_a_timeout_and_checks_it() -> None:
         await c.scatter_v(x, [1, 3], timeout=t)
         await c.all_gather_object("x", timeout=t)
         await c.broadcast_object("x", timeout=t)
-        await c.batch_send_recv([ahcomm.P2POp("send", x, 1 - c.rank), ahcomm.P2POp("recv", np.empty_like(x), 1 - c.rank)],
-                                timeout=t)
+        ops = [ahcomm.P2POp("send", x, 1 - c.rank), ahcomm.P2POp("recv", np.empty_like(x), 1 - c.rank)]
+        await c.batch_send_recv(ops, timeout=t)
         await c.barrier(timeout=t)
 
     await asyncio.wait_for(asyncio.gather(*(body(c) for c in comms)), 20)
@@ -332,7 +335,7 @@ async def test_a_lost_peer_fails_pending_and_later_calls_naming_it() -> None:
                comms[2].all_reduce(np.ones(1 << 16, F32))]  # rank 1 never joins
     await asyncio.sleep(0.05)
     t0 = time.perf_counter()
-    comms[0]._executor.links[1].peer_lost("test")
+    links_of(comms[0])[1].peer_lost("test")
     got = await outcomes(pending, 5)
     assert time.perf_counter() - t0 < 1
     for res in got:
@@ -350,7 +353,7 @@ async def test_a_lost_peer_fails_pending_and_later_calls_naming_it() -> None:
 async def test_a_peer_lost_while_idle_and_reported_from_another_thread() -> None:
     comms = await ahcomm.init_inprocess(2, buffsize=MIB)
     await outcomes([c.barrier() for c in comms])
-    thread = threading.Thread(target=comms[1]._executor.links[0].peer_lost, args=("heartbeats stopped",))
+    thread = threading.Thread(target=links_of(comms[1])[0].peer_lost, args=("heartbeats stopped",))
     thread.start()
     thread.join()
     for _ in range(50):

@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from ahcomm.run import free_port
+
 from jobs import ROOT, job_env
 
 pytestmark = pytest.mark.multiprocess

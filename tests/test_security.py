@@ -16,8 +16,9 @@ import random
 import re
 import socket
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import msgpack
 import numpy as np
@@ -36,7 +37,9 @@ from ahcomm.transports._wire import HEADER, RANK_ID
 from ahcomm.transports._zmq import Channel
 from ahcomm.transports.base import Signal
 from ahcomm.transports.rdma import RdmaLink
+
 from jobs import run_job
+from support.inproc import links_of
 
 SECRET = "test-secret-" + "0123456789abcdef" * 2
 PAGE = os.sysconf("SC_PAGE_SIZE")
@@ -71,7 +74,7 @@ async def works(comms: list[ahcomm.Comm]) -> None:
 
 
 def channel_of(comm: ahcomm.Comm) -> Channel:
-    link = next(iter(comm._executor.links.values()))
+    link = next(iter(links_of(comm).values()))
     assert isinstance(link, _zmq.ZmqLink)
     return link.channel
 
@@ -342,7 +345,7 @@ async def test_fuzzed_link_messages_never_hurt_a_live_rank() -> None:
     await until(lambda: ch.rejected - before_rejected >= sent)
     assert time.monotonic() - start < 20
     assert ch.rejected - before_rejected == sent  # every stranger's message counted; none from the duplicate
-    for link in comms[0]._executor.links.values():
+    for link in links_of(comms[0]).values():
         assert link.stats()["state"] == "up" and link.stats()["rejected_messages"] == 0
     await works(comms)
     grown = rss() - before_rss

@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 
 from ahcomm.algorithms import REGISTRY, Algorithm, Call, Context, Registry, Topology
-from ahcomm.algorithms._cost import MODEL_VERSION, CostModel, LinkCost, Work, load
 from ahcomm.algorithms._selection import Selector
 from ahcomm.algorithms.base import WHOLE
+from ahcomm.algorithms.cost import MODEL_VERSION, CostModel, LinkCost, Work, load
 from ahcomm.algorithms.mesh import Mesh
 from ahcomm.algorithms.nb import NB
 from ahcomm.algorithms.nhr import NHR

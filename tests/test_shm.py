@@ -147,7 +147,7 @@ def test_a_segment_removed_during_init_is_an_ahcomm_error_naming_it() -> None:
 def test_sigterm_during_init_leaves_no_segments() -> None:
     """Rank 0 of two, alone: it has created its buffers and waits in the rendezvous when SIGTERM
     comes. It still dies of SIGTERM, but its /dev/shm names go first (before: left for a later job)."""
-    code = "import asyncio, ahcomm; asyncio.run(ahcomm.init(rank=0, world_size=2, master_port=%d))" % free_port()
+    code = f"import asyncio, ahcomm; asyncio.run(ahcomm.init(rank=0, world_size=2, master_port={free_port()}))"
     env = job_env({"AHCOMM_JOB_SECRET": "x" * 32, "AHCOMM_CONNECT_TIMEOUT": "60"},
                   drop=("AHCOMM_BUFFSIZE", "AHCOMM_TRANSPORT"))
     proc = subprocess.Popen([sys.executable, "-c", code], env=env, cwd=ROOT, stderr=subprocess.PIPE, text=True)

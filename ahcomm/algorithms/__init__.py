@@ -1,8 +1,20 @@
-"""Collective algorithms: the framework, the registry, selection and the executor."""
+"""Collective algorithms: the kit to write one, the registry, selection and the executor.
+
+Everything a custom algorithm needs is exported here (see docs/algorithms.md and
+``ahcomm.testing.check_algorithm``): the call and topology it sees (``Call``, ``Topology``),
+what it asks for (``Resources``), what it orchestrates with (``Context``, ``Stream``,
+``Signal``; ``Channels``/``Lane`` for point-to-point steps of any size) and what its estimate
+is made of (``CostModel``, ``Work``).
+"""
 
 from __future__ import annotations
 
-from .base import ALIGN, Algorithm, Call, Context, Registry, Resources, Topology, aligned, pieces, split
+from .._stream import Stream
+from ..transports.base import Signal
+from .base import ALIGN, Algorithm, Context, OpRun, Registry, aligned, pieces, split
+from .call import WHOLE, Call, Resources, Topology
+from .channels import Channels, Lane, channel_run
+from .cost import CostModel, LinkCost, Work, call_bytes, engine_tasks, log2up, npieces
 from .dissemination import Dissemination
 from .hierarchical import Hierarchical
 from .mesh import Mesh
@@ -40,6 +52,7 @@ def names(op: str | None = None) -> list[str]:
 
 
 __all__ = [
-    "ALIGN", "Algorithm", "Call", "Context", "Registry", "Resources", "Topology", "REGISTRY",
-    "aligned", "names", "pieces", "register", "split",
+    "ALIGN", "REGISTRY", "WHOLE", "Algorithm", "Call", "Channels", "Context", "CostModel", "Lane", "LinkCost",
+    "OpRun", "Registry", "Resources", "Signal", "Stream", "Topology", "Work", "aligned", "call_bytes",
+    "channel_run", "engine_tasks", "log2up", "names", "npieces", "pieces", "register", "split",
 ]

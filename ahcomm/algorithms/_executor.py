@@ -11,7 +11,8 @@ the others (broadcast, empty calls) the executor tells each peer where it stands
 from __future__ import annotations
 
 import asyncio
-from typing import Any, Awaitable, Callable
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 import numpy as np
 
@@ -209,11 +210,6 @@ class Executor:
         if self.tracer is not None:
             self.tracer.write()
         self._halves = []  # drop our views of the CCL buffers so they can be unmapped
-
-    def on_peer_abort(self, handler: Callable[[int, str], None]) -> None:
-        """Call ``handler(peer, reason)`` when a peer aborts."""
-        for link in self.links.values():
-            link.on_abort = handler
 
     def set_hooks(self, *, on_abort: AbortHook, on_fingerprint: FingerprintHook, on_control: ControlHook,
                   on_lost: AbortHook, on_broken: AbortHook | None = None) -> None:

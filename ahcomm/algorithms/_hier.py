@@ -12,9 +12,9 @@ from functools import lru_cache
 import numpy as np
 
 from .._stream import Stream
-from ._channels import Lane
-from ._cost import CostModel, LinkCost, Work, log2up
 from .base import Context, Topology, split
+from .channels import Lane
+from .cost import CostModel, LinkCost, Work, log2up
 from .rhd import Fold
 
 

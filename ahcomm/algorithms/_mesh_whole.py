@@ -44,16 +44,16 @@ min(H / regions / SLOTS, 1 MiB), pipelined: about one more notify per piece.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from functools import partial
-from typing import Callable, Sequence
 
 import numpy as np
 
 from .._errors import ConfigError
 from .._stream import Stream
 from ..transports.base import Signal
-from ._cost import HALF_BYTES, Work, engine_tasks, npieces
 from .base import ALIGN, Call, Context, Topology, aligned, split
+from .cost import HALF_BYTES, Work, engine_tasks, npieces
 
 SLOTS = 4  # credits per region: pieces of one block in flight
 PIECE_BYTES = 1 << 20  # largest piece of a block that does not fit its region
@@ -234,7 +234,7 @@ def _scatter(ctx: Context, plan: Plan, d: list[int]) -> None:
         plan.send(pull, [p], j - 1, ctx.src[d[p]:d[p + 1]])
 
 
-def _all_to_all(ctx: Context, plan: Plan) -> None:
+def _all_to_all(ctx: Context, plan: Plan, d: list[int]) -> None:
     n, r, call = ctx.size, ctx.rank, ctx.call
     assert call.counts is not None and call.recv_counts is not None
     sd, rd = Call.displs(call.counts), Call.displs(call.recv_counts)
@@ -268,7 +268,7 @@ def _reduce_scatter_v(ctx: Context, plan: Plan, d: list[int]) -> None:
         plan.add((k, 1), partial(_reduce_piece, pull, plan.stream(0), k, len(cut), ctx.dst[a:b], own[a:b], None))
 
 
-def _reduce(ctx: Context, plan: Plan) -> None:
+def _reduce(ctx: Context, plan: Plan, d: list[int]) -> None:
     n, r, root = ctx.size, ctx.rank, ctx.call.root
     pull, out = Pull(ctx, n - 1), Pull(ctx, n - 1, "out", SLOTS)
     shares = split(ctx.src.size, n)
@@ -291,24 +291,20 @@ def _reduce(ctx: Context, plan: Plan) -> None:
             plan.recv(out, plan.stream(j), p, (root - p - 1) % n, ctx.dst[a:b], phase=2)
 
 
+# How each op in ``OPS`` is planned: (ctx, plan, displacements of Call.counts, [] without counts).
+_PLANS: dict[str, Callable[[Context, Plan, list[int]], None]] = {
+    "gather": _gather, "gather_v": _gather, "scatter": _scatter, "scatter_v": _scatter,
+    "all_to_all": _all_to_all, "all_to_all_v": _all_to_all, "all_gather_v": _all_gather_v,
+    "reduce_scatter_v": _reduce_scatter_v, "reduce": _reduce}
+assert _PLANS.keys() == OPS
+
+
 def orchestrate_whole(ctx: Context) -> None:
     """Enqueue the one run of an op in ``OPS`` (the caller synchronizes)."""
     op, counts = ctx.call.op, ctx.call.counts
     plan = Plan(ctx)
     d = Call.displs(counts) if counts is not None else []
-    if op in ("gather", "gather_v"):
-        _gather(ctx, plan, d)
-    elif op in ("scatter", "scatter_v"):
-        _scatter(ctx, plan, d)
-    elif op in ("all_to_all", "all_to_all_v"):
-        _all_to_all(ctx, plan)
-    elif op == "all_gather_v":
-        _all_gather_v(ctx, plan, d)
-    elif op == "reduce_scatter_v":
-        _reduce_scatter_v(ctx, plan, d)
-    else:
-        assert op == "reduce", op
-        _reduce(ctx, plan)
+    _PLANS[op](ctx, plan, d)
     plan.submit()
 
 

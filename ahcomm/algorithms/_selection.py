@@ -13,8 +13,8 @@ import math
 
 from .._errors import ConfigError, InvalidArgument
 from . import hierarchical
-from ._cost import CostModel
 from .base import Algorithm, Call, Registry, Topology
+from .cost import CostModel
 
 PICKS = 1024  # kinds of call whose pick is remembered
 

@@ -1,12 +1,15 @@
-"""The algorithm-development framework: a call, the topology, resources and a context.
+"""The algorithm-development framework: the ``Algorithm`` base, a run's ``Context``, the registry.
 
 An algorithm is written in HCCL's three steps:
 
-1. ``select(call, topo)`` - can it run this call here? (and, later, at what cost);
-2. ``resources(call, topo)`` - how many sub-streams it needs and how many elements of the
-   call fit one run (the executor slices larger calls, as HCCL loops over CCL buffers);
-3. ``orchestrate(ctx)`` - submit tasks (copy, reduce, put, post, wait) to the main stream
-   and sub-streams in ``ctx``, then ``await ctx.synchronize()``.
+1. ``select(call, topo)`` - can it run this call here? and ``work(...)`` - at what cost
+   (the base ``cost()`` prices it with the ``cost.CostModel``);
+2. ``resources(call, topo, half_bytes)`` - how many sub-streams it needs and how many
+   elements of the call fit one run (the executor slices larger calls, as HCCL loops over
+   CCL buffers);
+3. ``runs[op](self, ctx)`` (what the base ``orchestrate`` calls) - submit tasks (copy,
+   reduce, put, post, wait) to the main stream and sub-streams in ``ctx``, then
+   ``await ctx.synchronize()``.
 
 Protocol rules every algorithm keeps (the executor relies on them):
 
@@ -20,125 +23,22 @@ Protocol rules every algorithm keeps (the executor relies on them):
 from __future__ import annotations
 
 import math
-import zlib
-from abc import ABC, abstractmethod
+from collections.abc import Awaitable, Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
-from functools import cached_property
-from typing import TYPE_CHECKING, Callable, ClassVar, Hashable, Sequence
+from typing import Any, ClassVar
 
 import numpy as np
 
-from .._dtypes import ReduceOp
 from .._notify import Notify
 from .._stream import Stream, TaskFn
 from ..transports.base import Link, Signal
 from ..transports.mailbox import Mailbox
-
-if TYPE_CHECKING:
-    from ._cost import CostModel
+from .call import WHOLE, Call, Resources, Topology
+from .cost import CostModel, Work, call_bytes
 
 ALIGN = 64  # byte alignment of every region an algorithm carves from a CCL buffer
-
-# Ops the executor runs whole, never sliced: their algorithms move data of any size through
-# ``Channels`` (or read peers' memory). All but reduce carry per-rank ``Call.counts``.
-WHOLE = frozenset({"reduce", "gather", "scatter", "all_to_all", "all_gather_v", "reduce_scatter_v",
-                     "gather_v", "scatter_v", "all_to_all_v"})
-
-
-_FINGERPRINTS: dict[tuple[object, ...], int] = {}  # fingerprints of recent kinds of call (the f-string is slow)
-
-
-@dataclass(slots=True)
-class Call:
-    """One collective as every rank issued it.
-
-    ``count`` is the per-rank block in elements: the whole vector for all_reduce, broadcast
-    and reduce, the input of one rank for all_gather, the output of one rank for
-    reduce_scatter, one rank's block for gather, scatter and all_to_all.
-
-    ``counts`` (the ops in ``WHOLE`` but reduce) gives every rank's block in elements, the same on
-    every rank: what each rank contributes (all_gather_v, gather, gather_v), receives
-    (reduce_scatter_v, scatter, scatter_v), or - for all_to_all(_v) - what *this* rank
-    sends to each peer; ``recv_counts`` is then what it receives from each. Blocks lie
-    in rank order in the flat ``src``/``dst`` (``displs`` gives their offsets). Treat a
-    Call as read-only.
-    """
-
-    op: str
-    seq: int
-    dtype: np.dtype
-    count: int
-    redop: ReduceOp | None = None
-    root: int = 0
-    counts: tuple[int, ...] | None = None
-    recv_counts: tuple[int, ...] | None = None
-    group: str = ""  # the communicator's identity (sub-communicators come with the multi-host work)
-    _fp: int = 0
-
-    @property
-    def itemsize(self) -> int:
-        return self.dtype.itemsize
-
-    @property
-    def fingerprint(self) -> int:
-        """A nonzero 32-bit summary of what every rank must agree on (not ``seq``: it travels
-        beside it), computed once per call."""
-        fp = self._fp
-        if fp == 0:
-            # Sizes every rank agrees on: the per-rank counts where the op has them (a rank's own
-            # count differs across ranks there), none for all_to_all_v (each rank has its own row).
-            sizes = "" if self.op == "all_to_all_v" else self.counts if self.counts is not None else self.count
-            memo = (self.op, self.dtype, sizes, self.redop, self.root, self.group)
-            fp = _FINGERPRINTS.get(memo, 0)
-            if not fp:
-                key = f"{self.op}|{self.dtype.str}{self.dtype.name}|{sizes}|{self.redop and self.redop.value}|" \
-                      f"{self.root}|{self.group}"
-                fp = zlib.crc32(key.encode()) or 1
-                if len(_FINGERPRINTS) >= 4096:
-                    _FINGERPRINTS.clear()
-                _FINGERPRINTS[memo] = fp
-            self._fp = fp
-        return fp
-
-    @property
-    def empty(self) -> bool:
-        """Nothing to move on any rank (all_to_all: nothing from or to this rank)."""
-        if self.counts is None:
-            return self.count == 0
-        return not any(self.counts) and not any(self.recv_counts or ())
-
-    @staticmethod
-    def displs(counts: Sequence[int]) -> list[int]:
-        """Offsets of blocks laid out back to back: [0, c0, c0+c1, ...] (one more than counts)."""
-        out = [0]
-        for c in counts:
-            out.append(out[-1] + c)
-        return out
-
-
-@dataclass(frozen=True)
-class Topology:
-    """Where the ranks are and what joins them, as seen from ``rank``."""
-
-    rank: int
-    size: int
-    hosts: tuple[str, ...]  # host identity of every rank
-    link_kinds: tuple[str, ...]  # kind of the link to every rank ("self" for this rank)
-    all_mapped: bool = False  # every link maps its peer's CCL buffers (Link.mapped)
-    single_copy: bool = False  # every rank can read every peer's memory (agreed at init)
-    mailbox: int = 0  # payload bytes of a mailbox slot (``Context.mailbox``); 0: no mailboxes
-
-    @cached_property
-    def servers(self) -> int:
-        return len(set(self.hosts))
-
-
-@dataclass(frozen=True)
-class Resources:
-    """What one run of an algorithm needs."""
-
-    substreams: int = 0
-    max_count: int | None = None  # elements of ``Call.count`` one run can take; None: any
+__all__ = ["ALIGN", "WHOLE", "Algorithm", "Call", "Context", "OpRun", "Registry", "Resources", "Topology",
+           "align_up", "aligned", "pieces", "split"]
 
 
 class Context:
@@ -260,32 +160,69 @@ class Context:
             raise first
 
 
-class Algorithm(ABC):
-    """Base class of every registered algorithm."""
+OpRun = Callable[[Any, Context], Awaitable[None]]  # one op's orchestration: run(algorithm, ctx)
+
+
+class Algorithm:
+    """Base class of every registered algorithm.
+
+    An algorithm lists its ops in ``runs``, a table from op name to the function that
+    orchestrates it (its keys are the supported ``ops``); the base ``orchestrate`` looks the
+    call's op up there. One that overrides ``orchestrate`` itself declares ``ops`` instead.
+    """
 
     name: ClassVar[str]
-    ops: ClassVar[frozenset[str]]
+    ops: ClassVar[frozenset[str]] = frozenset()
     exchanges: ClassVar[bool] = False  # every rank hears from every peer in every run (see the executor)
+    runs: ClassVar[Mapping[str, OpRun]] = {}
+
+    _estimates: ClassVar[bool] = False  # the class gives ``work`` (set for each subclass)
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "runs" in cls.__dict__ and "ops" not in cls.__dict__:
+            cls.ops = frozenset(cls.runs)
+        cls._estimates = cls.work is not Algorithm.work
 
     def select(self, call: Call, topo: Topology) -> bool:
         """Whether this algorithm can run ``call`` on ``topo``."""
         return call.op in self.ops
 
-    def cost(self, call: Call, topo: Topology, model: "CostModel") -> float | None:
-        """Estimated seconds for ``call`` (alpha-beta, see ``_cost``); None: no estimate.
+    def cost(self, call: Call, topo: Topology, model: CostModel) -> float | None:
+        """Estimated seconds for ``call`` (alpha-beta, see ``ahcomm.algorithms.cost``); None: no estimate.
 
         The selector runs the cheapest algorithm that can run a call; one without an
-        estimate is chosen only when no candidate has one.
+        estimate is chosen only when no candidate has one. The shared opening of every
+        estimate lives here: one rank costs nothing, otherwise ``work`` gets the call's sizes
+        and its ``Work`` is priced with ``model``. Algorithms override ``work``, not this.
         """
-        return None
+        if not self._estimates:
+            return None
+        n = topo.size
+        if n == 1:
+            return 0.0
+        whole, block = call_bytes(call, n)
+        work = self.work(call, topo, model, whole, block)
+        return work.seconds(model, topo) if isinstance(work, Work) else work
+
+    def work(self, call: Call, topo: Topology, model: CostModel, whole: float, block: float) -> Work | float:
+        """What the busiest rank does in ``call`` on ``topo`` (2 ranks or more); ``whole`` and
+        ``block`` are ``cost.call_bytes``. Seconds instead of a ``Work`` where the algorithm
+        prices parts of the call at different link kinds itself."""
+        raise NotImplementedError
 
     def resources(self, call: Call, topo: Topology, half_bytes: int) -> Resources:
         """Streams and slice size for ``call``; ``half_bytes`` is the usable CCL half."""
         return Resources()
 
-    @abstractmethod
-    async def orchestrate(self, ctx: Context) -> None:
-        """Submit this run's tasks and wait for them."""
+    def orchestrate(self, ctx: Context) -> Awaitable[None]:
+        """Submit this run's tasks and wait for them: ``runs[op](self, ctx)``, awaited by the executor
+        (returned, not awaited here: no extra coroutine per run). Overridable as ``async def``."""
+        try:
+            run = self.runs[ctx.call.op]
+        except KeyError:
+            raise NotImplementedError(f"algorithm {self.name!r} has no run for {ctx.call.op}") from None
+        return run(self, ctx)
 
 
 def split(count: int, parts: int) -> list[tuple[int, int]]:

@@ -9,12 +9,13 @@ from .base import Algorithm, Context
 
 class Dissemination(Algorithm):
     name = "dissemination"
-    ops = frozenset({"barrier"})
 
-    async def orchestrate(self, ctx: Context) -> None:
+    async def _barrier(self, ctx: Context) -> None:
         n, r, dist, k = ctx.size, ctx.rank, 1, 0
         while dist < n:
             ctx.post(ctx.main, (r + dist) % n, Signal.DATA, k)
             ctx.wait(ctx.main, (r - dist) % n, Signal.DATA, k)
             dist, k = dist * 2, k + 1
         await ctx.synchronize()
+
+    runs = {"barrier": _barrier}

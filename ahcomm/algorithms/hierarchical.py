@@ -36,15 +36,16 @@ all_gather / reduce_scatter a0 + a1 + max(b0 B0, (S-1) block B1); broadcast 2 a0
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from typing import ClassVar
 
 import numpy as np
 
 from .._errors import ConfigError
-from ._channels import PIECE_BYTES, Channels, Lane
-from ._cost import CostModel, Work, call_bytes, log2up, npieces
-from ._hier import (Layout, Price, Streams, group_all_reduce, layout, rhd_all_reduce, ring_all_reduce,
-                    tree)
+from ._hier import Layout, Price, Streams, group_all_reduce, layout, rhd_all_reduce, ring_all_reduce, tree
 from .base import Algorithm, Call, Context, Resources, Topology, split
+from .channels import PIECE_BYTES, Channels, Lane
+from .cost import CostModel, Work, log2up, npieces
 
 RHD_BYTES = 256 << 10  # level-1 chunks up to this size: RHD (all_reduce), binomial tree (broadcast)
 SEGMENT_BYTES = 2 << 20  # all_reduce pipelines from two segments of this size
@@ -84,7 +85,6 @@ def _reduce_local(ctx: Context, lay: Layout, ch: Channels, st: Streams, piece: n
 
 class Hierarchical(Algorithm):
     name = "hier"
-    ops = frozenset({"all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce"})
 
     def __init__(self, level1: str | None = None) -> None:
         if level1 is not None and level1 not in LEVEL1:
@@ -102,12 +102,11 @@ class Hierarchical(Algorithm):
         return self.level1 == "ring" if self.level1 else nbytes > RHD_BYTES
 
     # -- cost ---------------------------------------------------------------------------------
-    def cost(self, call: Call, topo: Topology, model: CostModel) -> float | None:
-        """The module docstring's costs, level 0 priced at the link kind inside a server, level 1
-        at the kind between servers; only what every rank sees the same is used."""
+    def work(self, call: Call, topo: Topology, model: CostModel, whole: float, block: float) -> float:
+        """The module docstring's costs in seconds, level 0 priced at the link kind inside a server,
+        level 1 at the kind between servers; only what every rank sees the same is used."""
         lay = layout(topo)
         price = Price(lay, topo, model)
-        whole, block = call_bytes(call, topo.size)
         sizes, S, G, n = lay.sizes(), lay.S, lay.G, topo.size
         chunk = whole / G
         pieces = npieces(chunk, PIECE_BYTES)
@@ -142,11 +141,10 @@ class Hierarchical(Algorithm):
         return price.overlapped(w0, w1)
 
     # -- orchestration --------------------------------------------------------------------------
-    async def orchestrate(self, ctx: Context) -> None:
+    async def _run(self, ctx: Context) -> None:
         lay, ch = layout(ctx.topo), Channels(ctx)
         st = Streams.of(ctx, lay)
-        {"all_reduce": self._all_reduce, "broadcast": self._broadcast, "all_gather": self._all_gather,
-         "reduce_scatter": self._reduce_scatter, "reduce": self._reduce}[ctx.call.op](ctx, lay, ch, st)
+        self._plans[ctx.call.op](self, ctx, lay, ch, st)
         ch.finish()
         await ctx.synchronize()
 
@@ -324,6 +322,11 @@ class Hierarchical(Algorithm):
                     st.rx0.copy(ctx.dst[a:b], work[c])
                 else:
                     ch.recv(st.rx0, o, ctx.dst[a:b])
+
+    _plans: ClassVar[dict[str, Callable[[Hierarchical, Context, Layout, Channels, Streams], None]]] = {
+        "all_reduce": _all_reduce, "broadcast": _broadcast, "all_gather": _all_gather,
+        "reduce_scatter": _reduce_scatter, "reduce": _reduce}
+    runs = dict.fromkeys(_plans, _run)
 
 
 _BY_LEVEL1: dict[str | None, Hierarchical] = {}

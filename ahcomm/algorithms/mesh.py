@@ -23,15 +23,17 @@ each peer's share through a small scratch piece that stays in cache while it is 
 
 from __future__ import annotations
 
-import numpy as np
+from collections.abc import Callable
+from typing import ClassVar
 
-from typing import Callable
+import numpy as np
 
 from .._stream import Stream
 from ..transports.base import Signal
-from ._cost import HALF_BYTES, CostModel, Work, call_bytes, engine_tasks, npieces
-from ._mesh_whole import OPS as WHOLE_OPS, orchestrate_whole, whole_work
+from ._mesh_whole import OPS as WHOLE_OPS
+from ._mesh_whole import orchestrate_whole, whole_work
 from .base import Algorithm, Call, Context, Resources, Topology, aligned, split
+from .cost import HALF_BYTES, CostModel, Work, engine_tasks, npieces
 
 DIRECT_BYTES = 32 * 1024  # all_reduce below this: every rank reduces the whole vector itself
 # Per-rank bytes from which single-copy reads pay off (measured on the 2-core host; below,
@@ -101,7 +103,6 @@ def _reduce_in_order(ctx: Context, dst: np.ndarray, parts: list[np.ndarray]) -> 
 
 class Mesh(Algorithm):
     name = "mesh"
-    ops = frozenset({"all_reduce", "all_gather", "reduce_scatter", "broadcast"}) | WHOLE_OPS
 
     def select(self, call: Call, topo: Topology) -> bool:
         return call.op in self.ops and topo.all_mapped
@@ -117,7 +118,7 @@ class Mesh(Algorithm):
         subs = min(topo.size - 1, 3) if call.op in ("all_gather", "all_reduce", "broadcast") else 0
         return Resources(substreams=subs, max_count=max(1, per))
 
-    def cost(self, call: Call, topo: Topology, model: CostModel) -> float | None:
+    def work(self, call: Call, topo: Topology, model: CostModel, whole: float, block: float) -> Work:
         """Per path, for the busiest rank (m: the vector, or one rank's block; reads of peers'
         buffers or memory are copies, c; S slices of a CCL half, each but the last closed by an
         Ack round): all_reduce direct a + m c + (n - 1) m g; staged 2 a + (1 + (n - 1) / n) m c +
@@ -127,11 +128,8 @@ class Mesh(Algorithm):
         posts to every peer; copies fanned out to sub-streams after an exchange are two
         hand-offs. The whole-run ops: ``_mesh_whole.whole_work``."""
         n, op = topo.size, call.op
-        if n == 1:
-            return 0.0
         if op in WHOLE_OPS:
-            return whole_work(call, topo).seconds(model, topo)
-        whole, block = call_bytes(call, n)
+            return whole_work(call, topo)
         peers, fan = n - 1, min(n - 1, 3)
         sc = single_copy(call, topo)
         if op == "all_reduce":
@@ -165,27 +163,19 @@ class Mesh(Algorithm):
             s = npieces(whole, HALF_BYTES)
             work = Work(rounds=2 * s - 1, copied=2 * whole, tasks=s * peers, engines=2 * s * engine_tasks(whole / s),
                         busy=peers)
-        return work.seconds(model, topo)
+        return work
 
-    async def orchestrate(self, ctx: Context) -> None:
+    async def _run(self, ctx: Context) -> None:
+        """Enqueue the call's path (single copy where it pays, else staged), then wait for it."""
         op = ctx.call.op
-        if op in WHOLE_OPS:
-            orchestrate_whole(ctx)
-        elif single_copy(ctx.call, ctx.topo):
-            {"all_gather": self._sc_all_gather, "broadcast": self._sc_broadcast,
-             "all_reduce": self._sc_all_reduce}[op](ctx)
-        elif op == "all_reduce":
-            if ctx.dst.nbytes <= DIRECT_BYTES:
-                self._all_reduce_direct(ctx)
-            else:
-                self._all_reduce(ctx)
-        elif op == "all_gather":
-            self._all_gather(ctx)
-        elif op == "reduce_scatter":
-            self._reduce_scatter(ctx)
-        else:
-            self._broadcast(ctx)
+        path = self._single[op] if single_copy(ctx.call, ctx.topo) else self._staged[op]
+        path(self, ctx)
         await ctx.synchronize()
+
+    async def _run_whole(self, ctx: Context) -> None:
+        orchestrate_whole(ctx)
+        await ctx.synchronize()
+
 
     def _end_slice(self, ctx: Context) -> None:
         if not ctx.final:
@@ -201,6 +191,8 @@ class Mesh(Algorithm):
         self._end_slice(ctx)
 
     def _all_reduce(self, ctx: Context) -> None:
+        if ctx.dst.nbytes <= DIRECT_BYTES:
+            return self._all_reduce_direct(ctx)
         n, r, src, dst = ctx.size, ctx.rank, ctx.src, ctx.dst
         item = ctx.call.itemsize
         chunks = split(dst.size, n)
@@ -310,3 +302,10 @@ class Mesh(Algorithm):
         _fan_out(ctx, [job for p, (pa, pb) in enumerate(chunks) if p != r
                        for job in self._sc_read(ctx, p, dst[pa:pb], SC_RESULT, pa * item)])
         _exchange(ctx, Signal.ACK, SC_DONE)
+
+    _staged: ClassVar[dict[str, Callable[[Mesh, Context], None]]] = {
+        "all_reduce": _all_reduce, "all_gather": _all_gather, "reduce_scatter": _reduce_scatter,
+        "broadcast": _broadcast}
+    _single: ClassVar[dict[str, Callable[[Mesh, Context], None]]] = {
+        "all_gather": _sc_all_gather, "broadcast": _sc_broadcast, "all_reduce": _sc_all_reduce}
+    runs = dict.fromkeys(_staged, _run) | dict.fromkeys(WHOLE_OPS, _run_whole)

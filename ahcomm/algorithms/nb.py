@@ -23,9 +23,9 @@ executor flushes them at the end of the run).
 
 from __future__ import annotations
 
-from ._channels import PIECE_BYTES, Channels
-from ._cost import CostModel, Work, call_bytes, engine_tasks, npieces
 from .base import Algorithm, Call, Context, Resources, Topology
+from .channels import PIECE_BYTES, Channels, channel_run
+from .cost import CostModel, Work, engine_tasks, npieces
 
 
 def distances(n: int) -> list[int]:
@@ -43,52 +43,6 @@ def runs(lo: int, length: int, n: int) -> list[tuple[int, int]]:
     if lo + length <= n:
         return [(lo, lo + length)]
     return [(lo, n), (0, lo + length - n)]
-
-
-class NB(Algorithm):
-    name = "nb"
-    ops = frozenset({"all_gather", "all_gather_v", "all_to_all"})
-
-    def resources(self, call: Call, topo: Topology, half_bytes: int) -> Resources:
-        return Resources(substreams=1)
-
-    def cost(self, call: Call, topo: Topology, model: CostModel) -> float | None:
-        """The module docstring's costs, plus the last credits: all_gather(_v) ceil(log2 n) a +
-        (n - 1) m b and the copies out of the slots; all_to_all ceil(log2 n) a + P m b with
-        P = sum of popcount(i), 0 < i < n, plus the packing and unpacking copies (2 P + n)
-        blocks. ``link`` counts bytes sent plus received; a step forwards what the previous one
-        received (a hand-off); every piece posts a DataSignal and an Ack; into a mapped buffer
-        the put is a copy too."""
-        n, op = topo.size, call.op
-        if n == 1:
-            return 0.0
-        whole, block = call_bytes(call, n)
-        dist = distances(n)
-        puts = 1 + topo.all_mapped
-        if op == "all_to_all":
-            sent = [sum(1 for i in range(1, n) if i & d) * block for d in dist]  # what each step sends
-            entries = sum(sent) / block if block else 0.0
-            copies = (entries + n) * engine_tasks(block)
-        else:
-            smallest = min(call.counts) * call.itemsize if call.counts else block
-            mean = (whole - smallest) / (n - 1)  # what a block moved is worth, all but one moving
-            sent = [min(d, n - d) * mean for d in dist]
-            copies = engine_tasks(block)
-        moved = sum(sent)
-        work = Work(rounds=len(dist) + 1, handoffs=len(dist) - 1, link=2 * moved,
-                    copied=moved + (moved + n * block if op == "all_to_all" else block),
-                    tasks=2 * sum(npieces(b, PIECE_BYTES) for b in sent),
-                    engines=puts * sum(engine_tasks(b, PIECE_BYTES) for b in sent) + copies)
-        return work.seconds(model, topo)
-
-    async def orchestrate(self, ctx: Context) -> None:
-        channels = Channels(ctx)
-        if ctx.call.op == "all_to_all":
-            _all_to_all(ctx, channels)
-        else:
-            _all_gather(ctx, channels)
-        channels.finish()
-        await ctx.synchronize()
 
 
 def _all_gather(ctx: Context, ch: Channels) -> None:
@@ -146,3 +100,39 @@ def _all_to_all(ctx: Context, ch: Channels) -> None:
             where[i] = got[j]
     for i in range(n):
         rx.copy(dst[(r - i) % n], where[i])
+
+
+class NB(Algorithm):
+    name = "nb"
+
+    def resources(self, call: Call, topo: Topology, half_bytes: int) -> Resources:
+        return Resources(substreams=1)
+
+    def work(self, call: Call, topo: Topology, model: CostModel, whole: float, block: float) -> Work:
+        """The module docstring's costs, plus the last credits: all_gather(_v) ceil(log2 n) a +
+        (n - 1) m b and the copies out of the slots; all_to_all ceil(log2 n) a + P m b with
+        P = sum of popcount(i), 0 < i < n, plus the packing and unpacking copies (2 P + n)
+        blocks. ``link`` counts bytes sent plus received; a step forwards what the previous one
+        received (a hand-off); every piece posts a DataSignal and an Ack; into a mapped buffer
+        the put is a copy too."""
+        n, op = topo.size, call.op
+        dist = distances(n)
+        puts = 1 + topo.all_mapped
+        if op == "all_to_all":
+            sent = [sum(1 for i in range(1, n) if i & d) * block for d in dist]  # what each step sends
+            entries = sum(sent) / block if block else 0.0
+            copies = (entries + n) * engine_tasks(block)
+        else:
+            smallest = min(call.counts) * call.itemsize if call.counts else block
+            mean = (whole - smallest) / (n - 1)  # what a block moved is worth, all but one moving
+            sent = [min(d, n - d) * mean for d in dist]
+            copies = engine_tasks(block)
+        moved = sum(sent)
+        work = Work(rounds=len(dist) + 1, handoffs=len(dist) - 1, link=2 * moved,
+                    copied=moved + (moved + n * block if op == "all_to_all" else block),
+                    tasks=2 * sum(npieces(b, PIECE_BYTES) for b in sent),
+                    engines=puts * sum(engine_tasks(b, PIECE_BYTES) for b in sent) + copies)
+        return work
+
+    runs = {"all_gather": channel_run(_all_gather), "all_gather_v": channel_run(_all_gather),
+            "all_to_all": channel_run(_all_to_all)}

@@ -29,13 +29,13 @@ Each slice is reduced along one tree and then copied, so every rank gets the sam
 
 from __future__ import annotations
 
-from typing import Iterator
+from collections.abc import Iterator
 
 import numpy as np
 
-from ._channels import PIECE_BYTES
-from ._cost import CostModel, Work, call_bytes, engine_tasks, npieces
 from .base import Algorithm, Call, Context, Resources, Topology, split
+from .channels import PIECE_BYTES
+from .cost import CostModel, Work, engine_tasks, npieces
 from .rhd import Mover
 
 Plan = tuple[int, int, list[int], list[int]]  # (send to, receive from, slices sent, slices received)
@@ -94,7 +94,7 @@ class Layout:
         """Element ranges of ``slices``, neighbours in memory merged, in memory order."""
         positions = sorted(self.pos[b] for b in slices)
         start = prev = positions[0]
-        for i in positions[1:] + [-1]:
+        for i in [*positions[1:], -1]:
             if i != prev + 1:
                 yield self.offsets[start], self.offsets[prev + 1]
                 start = i
@@ -134,21 +134,17 @@ def _ready(mv: Mover) -> None:
 
 class NHR(Algorithm):
     name = "nhr"
-    ops = frozenset({"all_reduce", "reduce_scatter", "all_gather", "reduce_scatter_v", "all_gather_v"})
 
     def resources(self, call: Call, topo: Topology, half_bytes: int) -> Resources:
         return Resources(substreams=1, max_count=None)
 
-    def cost(self, call: Call, topo: Topology, model: CostModel) -> float | None:
+    def work(self, call: Call, topo: Topology, model: CostModel, whole: float, block: float) -> Work:
         """The module docstring's costs (S = ceil(log2 n) steps each way, every slice but its
         own sent once), plus the last credits and the local copy into the working area. Each
         step exchanges with one peer (``link``: sent plus received) and forwards what the
         previous one received (a hand-off); every piece posts a DataSignal and an Ack; into a
         mapped buffer the put is a copy too."""
         n, op = topo.size, call.op
-        if n == 1:
-            return 0.0
-        whole, block = call_bytes(call, n)
         s = steps(n)
         share = (n - 1) / n * whole
         puts = 1 + topo.all_mapped
@@ -164,32 +160,40 @@ class NHR(Algorithm):
         else:
             work = Work(rounds=s + 1, handoffs=s - 1, link=2 * share, copied=share + block, tasks=posts,
                         engines=big + engine_tasks(block))
-        return work.seconds(model, topo)
+        return work
 
-    async def orchestrate(self, ctx: Context) -> None:
-        n, rank, call, mv = ctx.size, ctx.rank, ctx.call, Mover(ctx)
-        counts = list(call.counts or (call.count,) * n)
-        if call.op == "all_reduce":
-            work = ctx.dst
-            layout = Layout([b - a for a, b in split(work.size, n)], tree_order(n))
-            if work is not ctx.src:
-                mv.tx.copy(work, ctx.src)
-                _ready(mv)
-            _reduce_scatter(mv, work, layout)
-            _all_gather(mv, work, layout)
-        elif call.op.startswith("reduce_scatter"):
-            src, displs = ctx.src.reshape(-1), Call.displs(counts)
-            work = ctx.scratch(displs[-1])
-            layout = Layout(counts, tree_order(n))
-            for b in range(n):
-                a, z = layout.span(b)
-                mv.tx.copy(work[a:z], src[displs[b]:displs[b + 1]])
+    async def _all_reduce(self, ctx: Context) -> None:
+        n, mv, work = ctx.size, Mover(ctx), ctx.dst
+        layout = Layout([b - a for a, b in split(work.size, n)], tree_order(n))
+        if work is not ctx.src:
+            mv.tx.copy(work, ctx.src)
             _ready(mv)
-            _reduce_scatter(mv, work, layout, last=ctx.dst)
-        else:
-            work = ctx.dst.reshape(-1)
-            layout = Layout(counts, list(range(n)))
-            a, z = layout.span(rank)
-            mv.tx.copy(work[a:z], ctx.src)
-            _all_gather(mv, work, layout)
+        _reduce_scatter(mv, work, layout)
+        _all_gather(mv, work, layout)
         await mv.finish()
+
+    async def _reduce_scatter(self, ctx: Context) -> None:
+        n, call, mv = ctx.size, ctx.call, Mover(ctx)
+        counts = list(call.counts or (call.count,) * n)
+        src, displs = ctx.src.reshape(-1), Call.displs(counts)
+        work = ctx.scratch(displs[-1])
+        layout = Layout(counts, tree_order(n))
+        for b in range(n):
+            a, z = layout.span(b)
+            mv.tx.copy(work[a:z], src[displs[b]:displs[b + 1]])
+        _ready(mv)
+        _reduce_scatter(mv, work, layout, last=ctx.dst)
+        await mv.finish()
+
+    async def _all_gather(self, ctx: Context) -> None:
+        n, call, mv = ctx.size, ctx.call, Mover(ctx)
+        counts = list(call.counts or (call.count,) * n)
+        work = ctx.dst.reshape(-1)
+        layout = Layout(counts, list(range(n)))
+        a, z = layout.span(ctx.rank)
+        mv.tx.copy(work[a:z], ctx.src)
+        _all_gather(mv, work, layout)
+        await mv.finish()
+
+    runs = {"all_reduce": _all_reduce, "reduce_scatter": _reduce_scatter, "reduce_scatter_v": _reduce_scatter,
+            "all_gather": _all_gather, "all_gather_v": _all_gather}

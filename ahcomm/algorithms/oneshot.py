@@ -26,9 +26,8 @@ import numpy as np
 
 from .._notify import Notify
 from ..transports.mailbox import Mailbox
-
-from ._cost import CostModel, Work, call_bytes, npieces
 from .base import Algorithm, Call, Context, Resources, Topology
+from .cost import CostModel, Work, npieces
 
 RECHECK = 0.05  # seconds a sleeping waiter waits before it looks at the flags again, woken or not
 STEP = 1 / 3  # a mailbox step, in link alphas (see ``OneShot.cost``)
@@ -57,7 +56,7 @@ class OneShot(Algorithm):
         per = published_bytes(call, topo.size) // max(1, call.count)  # bytes per element of count
         return Resources(max_count=max(1, topo.mailbox // per) if per and topo.mailbox else None)
 
-    def cost(self, call: Call, topo: Topology, model: CostModel) -> float | None:
+    def work(self, call: Call, topo: Topology, model: CostModel, whole: float, block: float) -> float:
         """One dependent step (publish, wake, read): ``STEP`` of a link's alpha (a flag in shared
         memory and, at most, a FIFO byte, against a ZeroMQ message: measured 110 vs 300 us per
         small call at np=2), the same for every further slot-sized slice where every rank has a
@@ -68,9 +67,6 @@ class OneShot(Algorithm):
         reduce_scatter publishes n m and reduces (n - 1) m; all_gather publishes m and copies
         n m; broadcast 2 m."""
         n = topo.size
-        if n == 1:
-            return 0.0
-        whole, _ = call_bytes(call, n)
         m = float(published_bytes(call, n))
         s = npieces(m, topo.mailbox)
         op = call.op

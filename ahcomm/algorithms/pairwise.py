@@ -20,35 +20,33 @@ larger of the bytes this rank sends and receives).
 
 from __future__ import annotations
 
-from ._channels import PIECE_BYTES, Channels
-from ._cost import CostModel, Work, call_bytes, engine_tasks, npieces
 from .base import Algorithm, Call, Context, Resources, Topology
+from .channels import PIECE_BYTES, Channels
+from .cost import CostModel, Work, engine_tasks, npieces
 
 
 class Pairwise(Algorithm):
     name = "pairwise"
-    ops = frozenset({"all_to_all", "all_to_all_v"})
 
     def resources(self, call: Call, topo: Topology, half_bytes: int) -> Resources:
         return Resources(substreams=1)
 
-    def cost(self, call: Call, topo: Topology, model: CostModel) -> float | None:
+    def work(self, call: Call, topo: Topology, model: CostModel, whole: float, block: float) -> Work:
         """(n - 1) blocks out and in (``link``: both), copied out of the slots, and the own
         block copied; every send starts at once, so one step plus the last credits, and a
         DataSignal and an Ack per piece of every block; into a mapped buffer the put is a copy
         too. all_to_all_v is costed from n alone: its counts differ from rank to rank, and
         every rank must pick the same algorithm."""
         n = topo.size
-        if n == 1:
-            return 0.0
-        block = 0.0 if call.op == "all_to_all_v" else call_bytes(call, n)[1]
+        if call.op == "all_to_all_v":
+            block = 0.0
         puts = 1 + topo.all_mapped
         work = Work(rounds=2, link=2 * (n - 1) * block, copied=n * block,
                     tasks=2 * (n - 1) * npieces(block, PIECE_BYTES),
                     engines=(n - 1) * puts * engine_tasks(block, PIECE_BYTES) + engine_tasks(block))
-        return work.seconds(model, topo)
+        return work
 
-    async def orchestrate(self, ctx: Context) -> None:
+    async def _all_to_all(self, ctx: Context) -> None:
         n, r, call = ctx.size, ctx.rank, ctx.call
         assert call.counts is not None and call.recv_counts is not None
         out, back = Call.displs(call.counts), Call.displs(call.recv_counts)
@@ -61,3 +59,5 @@ class Pairwise(Algorithm):
             ch.recv(rx, frm, ctx.dst[back[frm]:back[frm + 1]])
         ch.finish()
         await ctx.synchronize()
+
+    runs = {"all_to_all": _all_to_all, "all_to_all_v": _all_to_all}

@@ -29,12 +29,11 @@ block received in one step forwarded in the next piece by piece as it lands (``M
 
 from __future__ import annotations
 
-from typing import Iterator
+from collections.abc import Iterator
 
-
-from ._channels import PIECE_BYTES, Channels, Lane
-from ._cost import CostModel, Work, call_bytes, engine_tasks, npieces
 from .base import Algorithm, Call, Context, Resources, Topology, split
+from .channels import PIECE_BYTES, Channels, Lane
+from .cost import CostModel, Work, engine_tasks, npieces
 
 Span = tuple[int, int]  # [lo, hi) in virtual ranks or in elements
 
@@ -100,12 +99,11 @@ def _span(bounds: list[int], s: Span) -> Span:
 
 class RHD(Algorithm):
     name = "rhd"
-    ops = frozenset({"all_reduce", "reduce_scatter", "all_gather", "reduce_scatter_v", "all_gather_v"})
 
     def resources(self, call: Call, topo: Topology, half_bytes: int) -> Resources:
         return Resources(substreams=1, max_count=None)
 
-    def cost(self, call: Call, topo: Topology, model: CostModel) -> float | None:
+    def work(self, call: Call, topo: Topology, model: CostModel, whole: float, block: float) -> Work:
         """The module docstring's costs (m: the vector or all blocks; p: the largest power of
         two <= n; the fold's two steps when p < n), plus the last credits. Each step halves
         (doubles) the data, exchanges it with one peer (``link``: sent plus received) and
@@ -113,9 +111,6 @@ class RHD(Algorithm):
         receives, doubling copies it out of the slots. Every piece posts a DataSignal and an
         Ack; into a mapped buffer the put is a copy too."""
         n, op = topo.size, call.op
-        if n == 1:
-            return 0.0
-        whole, block = call_bytes(call, n)
         fold = Fold(n)
         steps = fold.p.bit_length() - 1
         share = (fold.p - 1) / fold.p * whole
@@ -136,16 +131,7 @@ class RHD(Algorithm):
                         link=2 * share + folded * (whole + block),
                         reduced=(share + folded * whole) if reducing else 0.0,
                         copied=block + (0.0 if reducing else share), tasks=posts + fold_posts, engines=big + fold_big)
-        return work.seconds(model, topo)
-
-    async def orchestrate(self, ctx: Context) -> None:
-        op = ctx.call.op
-        if op == "all_reduce":
-            await self._all_reduce(ctx)
-        elif op.startswith("reduce_scatter"):
-            await self._reduce_scatter(ctx)
-        else:
-            await self._all_gather(ctx)
+        return work
 
     async def _all_reduce(self, ctx: Context) -> None:
         fold, rank, count = Fold(ctx.size), ctx.rank, ctx.dst.size
@@ -225,3 +211,6 @@ class RHD(Algorithm):
             mv.send(rank - 1, dst, 0, displs[rank - 1])
             mv.send(rank - 1, dst, displs[rank], total)
         await mv.finish()
+
+    runs = {"all_reduce": _all_reduce, "reduce_scatter": _reduce_scatter, "reduce_scatter_v": _reduce_scatter,
+            "all_gather": _all_gather, "all_gather_v": _all_gather}

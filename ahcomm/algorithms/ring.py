@@ -28,14 +28,14 @@ P b), P = ceil(m / piece) pieces of min(CCL half / SLOTS, PIECE_BYTES).
 
 from __future__ import annotations
 
-from typing import Hashable
+from collections.abc import Hashable
 
 import numpy as np
 
 from .._errors import ConfigError
 from ..transports.base import Signal
-from ._cost import CostModel, Work, call_bytes, engine_tasks, npieces
 from .base import ALIGN, Algorithm, Call, Context, Resources, Topology, align_up, aligned, pieces, split
+from .cost import CostModel, Work, engine_tasks, npieces
 
 PIECE_BYTES = 2 << 20
 SLOTS = 4  # receive slots per rank: up to this many pieces in flight on each ring link
@@ -81,8 +81,6 @@ async def ring_pass(ctx: Context, sends: list[Send], recvs: list[Recv]) -> None:
 
 class Ring(Algorithm):
     name = "ring"
-    ops = frozenset({"all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_gather_v",
-                     "reduce_scatter_v", "reduce"})
 
     def resources(self, call: Call, topo: Topology, half_bytes: int) -> Resources:
         if call.op == "reduce_scatter":
@@ -95,7 +93,7 @@ class Ring(Algorithm):
             return Resources(substreams=1, max_count=per_block)
         return Resources(substreams=1)
 
-    def cost(self, call: Call, topo: Topology, model: CostModel) -> float | None:
+    def work(self, call: Call, topo: Topology, model: CostModel, whole: float, block: float) -> Work:
         """The module docstring's costs for the busiest rank, plus one step for the last credits.
         A step forwards what the previous one received (a hand-off from the receive stream to
         the send stream); ``link`` counts bytes sent plus bytes received. Every piece posts a
@@ -103,9 +101,6 @@ class Ring(Algorithm):
         the slot; into a mapped buffer the put is a copy too. all_reduce first copies the input
         to the output. The chain (broadcast, reduce) keeps only P + 1 ranks busy at a time."""
         n, op = topo.size, call.op
-        if n == 1:
-            return 0.0
-        whole, block = call_bytes(call, n)
         puts = 1 + topo.all_mapped
         if op == "all_reduce":
             steps, moved = 2 * (n - 1), 2 * (n - 1) / n * whole
@@ -127,24 +122,7 @@ class Ring(Algorithm):
             work = Work(rounds=n, handoffs=n - 2, link=ends * whole + (n - 2) * whole / p,
                         reduced=whole if reducing else 0.0, copied=0.0 if reducing else whole,
                         tasks=ends * p + n - 2, engines=puts * engine_tasks(whole, PIECE_BYTES), busy=min(n, p + 1))
-        return work.seconds(model, topo)
-
-    async def orchestrate(self, ctx: Context) -> None:
-        op = ctx.call.op
-        if op == "all_reduce":
-            await self._all_reduce(ctx)
-        elif op == "all_gather":
-            await self._all_gather(ctx)
-        elif op == "reduce_scatter":
-            await self._reduce_scatter(ctx)
-        elif op == "broadcast":
-            await self._broadcast(ctx)
-        elif op == "all_gather_v":
-            await self._all_gather_v(ctx)
-        elif op == "reduce_scatter_v":
-            await self._reduce_scatter_v(ctx)
-        else:
-            await self._reduce(ctx)
+        return work
 
     async def _all_reduce(self, ctx: Context) -> None:
         n, r, dst = ctx.size, ctx.rank, ctx.dst
@@ -262,6 +240,10 @@ class Ring(Algorithm):
             if pos < n - 1:
                 sends.append((out[a:b], ("rx", a) if pos else None))
         await ring_pass(ctx, sends, recvs)
+
+    runs = {"all_reduce": _all_reduce, "all_gather": _all_gather, "reduce_scatter": _reduce_scatter,
+            "broadcast": _broadcast, "all_gather_v": _all_gather_v, "reduce_scatter_v": _reduce_scatter_v,
+            "reduce": _reduce}
 
 
 def _cut(start: int, stop: int, step: int) -> list[tuple[int, int]]:

@@ -23,13 +23,16 @@ reader works round by round, so an owner's next round never waits on a later one
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import ClassVar
+
 import numpy as np
 
 from .._errors import ConfigError
 from .._stream import Stream
 from ..transports.base import Signal
-from ._cost import HALF_BYTES, CostModel, Work, call_bytes, engine_tasks, npieces
 from .base import Algorithm, Call, Context, Resources, Topology, aligned
+from .cost import HALF_BYTES, CostModel, Work, engine_tasks, npieces
 
 CENTER = 0  # the rank that reduces an all_reduce
 FAN = 3  # sub-streams that read (or write) peers' buffers in parallel
@@ -97,8 +100,6 @@ def _collect(ctx: Context, blocks: dict[int, np.ndarray]) -> None:
 
 class Star(Algorithm):
     name = "star"
-    ops = frozenset({"broadcast", "reduce", "gather", "gather_v", "scatter", "scatter_v", "all_reduce",
-                     "all_gather", "all_gather_v"})
 
     def select(self, call: Call, topo: Topology) -> bool:
         return call.op in self.ops and topo.all_mapped
@@ -108,7 +109,7 @@ class Star(Algorithm):
         subs = min(topo.size - 1, FAN) if call.op in FANNED else 0
         return Resources(substreams=subs, max_count=max(1, per))  # whole ops ignore max_count
 
-    def cost(self, call: Call, topo: Topology, model: CostModel) -> float | None:
+    def work(self, call: Call, topo: Topology, model: CostModel, whole: float, block: float) -> Work:
         """The module docstring's costs along the critical path, every byte a copy (staging, or
         reading or writing a peer's mapped buffer): owners stage in parallel, one step, the
         reader copies out, from up to ``FAN`` owners at once. One rank does most of the work,
@@ -117,9 +118,6 @@ class Star(Algorithm):
         a + (M + m) c (M: all blocks). Data beyond a CCL half goes in rounds of one half, each
         closed by an Ack step."""
         n, op = topo.size, call.op
-        if n == 1:
-            return 0.0
-        whole, block = call_bytes(call, n)
         peers, fan = n - 1, min(n - 1, FAN)
         staged = whole if op in ("all_reduce", "reduce", "broadcast") else block
         s = npieces(staged, HALF_BYTES)
@@ -142,18 +140,10 @@ class Star(Algorithm):
         else:  # all_gather(_v): every rank stages its block and reads all the others
             work = Work(rounds=2 * s - 1, copied=whole + block, tasks=s * peers + acks, engines=(reads + 1) * big,
                         streams=fan)
-        return work.seconds(model, topo)
+        return work
 
-    async def orchestrate(self, ctx: Context) -> None:
-        op = ctx.call.op
-        if op == "all_reduce":
-            self._all_reduce(ctx)
-        elif op == "reduce":
-            self._reduce(ctx)
-        elif op in ("scatter", "scatter_v"):
-            self._scatter(ctx)
-        else:
-            self._pull(ctx)
+    async def _run(self, ctx: Context) -> None:
+        self._plans[ctx.call.op](self, ctx)
         await ctx.synchronize()
 
     def _pull(self, ctx: Context) -> None:
@@ -240,3 +230,8 @@ class Star(Algorithm):
         ctx.main.copy(dst, out)
         if not ctx.final:
             _wait(ctx, ctx.main, others, Signal.ACK)
+
+    _plans: ClassVar[dict[str, Callable[[Star, Context], None]]] = {
+        "all_reduce": _all_reduce, "reduce": _reduce, "scatter": _scatter, "scatter_v": _scatter,
+        "broadcast": _pull, "gather": _pull, "gather_v": _pull, "all_gather": _pull, "all_gather_v": _pull}
+    runs = dict.fromkeys(_plans, _run)

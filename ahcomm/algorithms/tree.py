@@ -26,15 +26,16 @@ forwards while it receives. ``ceil(log2 n)`` steps deep:
 
 from __future__ import annotations
 
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Hashable
+from typing import ClassVar
 
 import numpy as np
 
-from ._channels import PIECE_BYTES, Channels
-from ._cost import CostModel, Work, call_bytes, engine_tasks, log2up, npieces
 from .base import Algorithm, Call, Context, Resources, Topology, split
+from .channels import PIECE_BYTES, Channels
+from .cost import CostModel, Work, engine_tasks, log2up, npieces
 
 LARGE_BYTES = 512 << 10  # broadcasts from this size, on more than two ranks, scatter then all_gather
 
@@ -90,21 +91,17 @@ class _Tree:
 
 class Tree(Algorithm):
     name = "tree"
-    ops = frozenset({"broadcast", "reduce", "gather", "gather_v", "scatter", "scatter_v"})
 
     def resources(self, call: Call, topo: Topology, half_bytes: int) -> Resources:
         return Resources(substreams=max(1, (topo.size - 1).bit_length()))  # one per child of the root
 
-    def cost(self, call: Call, topo: Topology, model: CostModel) -> float | None:
+    def work(self, call: Call, topo: Topology, model: CostModel, whole: float, block: float) -> Work:
         """The module docstring's costs, L = ceil(log2 n) steps deep plus the last credits; an
         inner rank forwards what it received (a hand-off per level). The root sends to (receives
         from) its L children concurrently, an inner rank receives and forwards: ``link`` is the
         busier of the two. Every piece posts a DataSignal and an Ack; into a mapped buffer the
         put is a copy too. Gather and scatter store and forward whole subtrees."""
         n, op = topo.size, call.op
-        if n == 1:
-            return 0.0
-        whole, block = call_bytes(call, n)
         depth = log2up(n)
         puts = 1 + topo.all_mapped
         if op == "broadcast" and large_broadcast(call, n):  # scatter, then a ring all_gather
@@ -125,22 +122,22 @@ class Tree(Algorithm):
             work = Work(rounds=depth + 1, handoffs=depth - 1, link=whole - own, copied=whole,
                         tasks=(n - 1) * npieces(block, PIECE_BYTES),
                         engines=n * puts * engine_tasks(block, PIECE_BYTES), busy=2)
-        return work.seconds(model, topo)
+        return work
 
-    async def orchestrate(self, ctx: Context) -> None:
+    async def _run(self, ctx: Context) -> None:
         call = ctx.call
         t = _Tree(ctx.size, call.root, (ctx.rank - call.root) % ctx.size, call.counts or ())
         ch = Channels(ctx)
-        if call.op == "broadcast":
-            (self._broadcast_large if large_broadcast(call, ctx.size) else self._broadcast)(ctx, ch, t)
-        elif call.op == "reduce":
-            self._reduce(ctx, ch, t)
-        elif call.op in ("gather", "gather_v"):
-            self._gather(ctx, ch, t)
-        else:
-            self._scatter(ctx, ch, t)
+        self._plans[call.op](self, ctx, ch, t)
         ch.finish()
         await ctx.synchronize()
+
+    def _broadcast_any(self, ctx: Context, ch: Channels, t: _Tree) -> None:
+        """A binomial tree, or for large vectors scatter then a ring all_gather."""
+        if large_broadcast(ctx.call, ctx.size):
+            self._broadcast_large(ctx, ch, t)
+        else:
+            self._broadcast(ctx, ch, t)
 
     def _broadcast(self, ctx: Context, ch: Channels, t: _Tree) -> None:
         keys = [("bc", j) for j in range(len(t.kids))]
@@ -260,3 +257,8 @@ class Tree(Algorithm):
             sub = t.subtree(c)
             for block in self._blocks(t, buf, at, sub.start, sub.stop):
                 ch.send(ctx.subs[j], t.real(c), block)
+
+    _plans: ClassVar[dict[str, Callable[[Tree, Context, Channels, _Tree], None]]] = {
+        "broadcast": _broadcast_any, "reduce": _reduce, "gather": _gather, "gather_v": _gather,
+        "scatter": _scatter, "scatter_v": _scatter}
+    runs = dict.fromkeys(_plans, _run)

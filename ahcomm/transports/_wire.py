@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import struct
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import zmq
 

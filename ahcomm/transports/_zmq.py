@@ -42,7 +42,8 @@ import os
 import secrets
 import time
 from abc import abstractmethod
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import zmq
@@ -50,9 +51,30 @@ import zmq
 from .._buffers import CclBuffers
 from .._errors import ConnectError, PeerFailure, TransportError
 from ._auth import AUTH, HANDSHAKE_FAILED, Credentials, context
-from ._wire import (COPY_THRESHOLD, DEALER_EVENTS, FRAME_LIMIT, HEADER, MAX_META, MAX_MESSAGE_LIMIT, MAX_REASON,
-                    MAX_SIGNAL, MSG_ABORT, MSG_BYE, MSG_CONTROL, MSG_P2P, MSG_P2P_ACK, MSG_PROGRESS, MSG_SIGNAL,
-                    RANK_ID, ROUTER_EVENTS, WIRE_SLACK, Malformed, Monitor, buffer_name, frame, last)
+from ._wire import (
+    COPY_THRESHOLD,
+    DEALER_EVENTS,
+    FRAME_LIMIT,
+    HEADER,
+    MAX_MESSAGE_LIMIT,
+    MAX_META,
+    MAX_REASON,
+    MAX_SIGNAL,
+    MSG_ABORT,
+    MSG_BYE,
+    MSG_CONTROL,
+    MSG_P2P,
+    MSG_P2P_ACK,
+    MSG_PROGRESS,
+    MSG_SIGNAL,
+    RANK_ID,
+    ROUTER_EVENTS,
+    WIRE_SLACK,
+    Malformed,
+    Monitor,
+    frame,
+    last,
+)
 from .base import MAX_CONTROL, DomainInUse, Link, ProgressHook
 
 DEFAULT_MAX_MESSAGE = 1 << 30  # AHCOMM_MAX_MESSAGE default: bytes of one point-to-point message
@@ -222,7 +244,7 @@ class Channel:
                                      f"({error}); rank {link.peer} no longer follows the link protocol"))
             try:  # the communicator fails on every rank: waiting on other links would hang
                 link.peer_broke_protocol(str(error))
-            except Exception:  # noqa: BLE001 - the hook's failure must not kill the reader
+            except Exception:
                 log.exception("rank %d: on_broken hook failed for rank %d", self.rank, link.peer)
 
     def close(self) -> None:
@@ -335,7 +357,7 @@ class ZmqLink(Link):
         self.lost_reason, self.lost_at = reason, time.time()
         try:
             self.peer_lost(reason)
-        except Exception:  # noqa: BLE001 - the hook's failure must not stop the waiters' wake-up
+        except Exception:
             log.exception("rank %d: on_lost hook failed for rank %d", self.rank, self.peer)
         self.fail(PeerFailure(f"rank {self.peer} is lost: {reason} (noticed by rank {self.rank})", rank=self.peer))
 

@@ -26,7 +26,8 @@ from __future__ import annotations
 import asyncio
 import enum
 from abc import ABC, abstractmethod
-from typing import Any, Awaitable, Callable, ClassVar, Protocol
+from collections.abc import Awaitable, Callable
+from typing import Any, ClassVar, Protocol
 
 import numpy as np
 

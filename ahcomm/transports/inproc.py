@@ -11,7 +11,8 @@ from __future__ import annotations
 import ctypes
 import itertools
 import weakref
-from typing import Any, Awaitable
+from collections.abc import Awaitable
+from typing import Any
 
 import numpy as np
 

@@ -33,7 +33,8 @@ from __future__ import annotations
 import os
 import platform
 import threading
-from typing import Callable, Literal
+from collections.abc import Callable
+from typing import Literal
 
 import numpy as np
 
@@ -101,7 +102,7 @@ class Spin:
     GIVE_UP = 8
     REST = 256
 
-    __slots__ = ("budget", "misses", "rest", "hits", "spins")
+    __slots__ = ("budget", "hits", "misses", "rest", "spins")
 
     def __init__(self, budget: float) -> None:
         self.budget = budget

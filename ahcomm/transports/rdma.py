@@ -11,7 +11,8 @@ are still in flight.
 from __future__ import annotations
 
 import asyncio
-from typing import Any, Awaitable
+from collections.abc import Awaitable
+from typing import Any
 
 import numpy as np
 import zmq
@@ -71,7 +72,10 @@ class RdmaLink(ZmqLink):
                                 f"the CCL buffer ({region.nbytes} bytes) or over {PUT_CHUNK} bytes")
             if not sock.getsockopt(zmq.RCVMORE):
                 raise Malformed(f"rdma link {self.peer}->{self.rank}: a put without its data")
-            got = sock.recv_into(region[offset:offset + nbytes].data, flags=zmq.NOBLOCK) if nbytes else len(sock.recv(zmq.NOBLOCK))
+            if nbytes:
+                got = sock.recv_into(region[offset:offset + nbytes].data, flags=zmq.NOBLOCK)
+            else:
+                got = len(sock.recv(zmq.NOBLOCK))
             if got != nbytes:
                 raise Malformed(f"rdma link {self.peer}->{self.rank}: put of {got} bytes, header said {nbytes}")
             if sock.getsockopt(zmq.RCVMORE):

@@ -8,7 +8,8 @@ buffer and a mesh algorithm can read or reduce straight out of it.
 from __future__ import annotations
 
 import errno
-from typing import Any, Awaitable
+from collections.abc import Awaitable
+from typing import Any
 
 import numpy as np
 import zmq

@@ -46,7 +46,7 @@ from pathlib import Path
 from typing import Any
 
 from .._stream import ENGINE_THRESHOLD as ENGINE_BYTES
-from .base import Call, Topology
+from .call import Call, Topology
 
 MODEL_VERSION = 2  # calibrations written with another meaning of the numbers are ignored
 HALF_BYTES = 32 << 20  # a CCL half at the default AHCOMM_BUFFSIZE: how the executor slices big calls

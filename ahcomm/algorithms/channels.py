@@ -28,14 +28,14 @@ a task that depends on what the receiver sent back (a later step), never in the 
 
 from __future__ import annotations
 
-from typing import Hashable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 
 import numpy as np
 
 from .._errors import ConfigError
 from .._stream import Stream
 from ..transports.base import Signal
-from .base import Context, aligned
+from .base import Context, OpRun, aligned
 
 SLOTS = 4  # credits per (sender, receiver) pair: pieces in flight on one link
 PIECE_BYTES = 1 << 20  # largest piece: small enough to pipeline a step, big enough to amortise a notify
@@ -119,6 +119,19 @@ class Channels:
         for peer, sent in self._sent.items():
             for k in range(max(0, sent - self.slots), sent):
                 self.ctx.wait(self._tx[peer], peer, Signal.ACK, k % self.slots)
+
+
+def channel_run(plan: Callable[[Context, Channels], None]) -> OpRun:
+    """An op's run (for ``Algorithm.runs``) that enqueues ``plan(ctx, channels)``, collects the
+    credits still out and waits for the run's streams."""
+
+    async def run(algorithm: object, ctx: Context) -> None:
+        channels = Channels(ctx)
+        plan(ctx, channels)
+        channels.finish()
+        await ctx.synchronize()
+
+    return run
 
 
 class Lane:

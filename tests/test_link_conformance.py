@@ -1,0 +1,172 @@
+"""The link data-plane contract, checked on every link implementation (trio's ``check_*_stream``
+idea; Gloo runs each test once per transport): inproc, sdma and rdma links made inside this
+process by ``ahcomm.testing.local_links`` (the bootstrap's own transport table and handshake).
+
+What an algorithm relies on: ``post`` sets the peer's flag to 1 carrying a value, ``wait``
+consumes it (back to 0), a second post before the wait is one flag (an overrun), flags are
+apart per (signal, index, seq parity); ``put`` then ``post`` (and ``flush`` where puts are not
+copies) means the bytes have landed, for 0, 1, odd, large and multi-frame sizes, in order;
+``remote`` maps the peer's buffers exactly where ``mapped``; ``read`` copies the peer's memory
+where ``single_copy``; ``fail`` wakes every waiter and every later wait raises.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+
+import numpy as np
+import pytest
+
+from ahcomm import _bootstrap
+from ahcomm.testing import TRANSPORTS, LocalLinks, local_links
+from ahcomm.transports.base import Link, Signal
+
+from support.sizes import LINK_SIZES
+
+pytestmark = pytest.mark.parametrize("transport", TRANSPORTS)
+
+
+def _run(fn, *args):  # type: ignore[no-untyped-def]
+    """The inline memory runner (``Stream.memory`` without a copy engine)."""
+    fn(*args)
+
+
+@pytest.fixture
+async def pair(transport: str) -> AsyncIterator[LocalLinks]:
+    made = await local_links(2, transport=transport, buffsize=max(LINK_SIZES) + 4096)
+    try:
+        yield made
+    finally:
+        made.close()
+
+
+def ends(made: LocalLinks) -> tuple[Link, Link]:
+    return made.links[0][1], made.links[1][0]
+
+
+async def until(cond: Callable[[], bool]) -> None:
+    async with asyncio.timeout(10):
+        while not cond():
+            await asyncio.sleep(0.001)
+
+
+async def settle(link: Link, signal: Signal, index: int, seq: int) -> None:
+    await asyncio.wait_for(link.wait(signal, index, seq), 10)
+
+
+async def test_kind_and_table(pair: LocalLinks, transport: str) -> None:
+    a, b = ends(pair)
+    assert a.kind == b.kind == transport and a.peer == 1 and b.peer == 0
+    assert [t.name for t in _bootstrap.TRANSPORTS] == ["sdma", "rdma"]  # tried in this order
+
+
+async def test_post_sets_one_and_wait_consumes(pair: LocalLinks) -> None:
+    a, b = ends(pair)
+    a.post(Signal.DATA, 2, 7, 1234, 99)
+    await settle(b, Signal.DATA, 2, 7)
+    assert b.value(Signal.DATA, 2, 7) == 1234
+    assert b.notify(Signal.DATA, 2, 7).value == 0  # consumed
+    flag = b.notify(Signal.ACK, 0, 7)
+    a.post(Signal.ACK, 0, 7)
+    a.post(Signal.ACK, 0, 7)  # two posts before any wait: one flag at 1 (the second an overrun)
+    await until(lambda: flag.overruns == 1)
+    assert flag.value == 1
+    await settle(b, Signal.ACK, 0, 7)
+    assert flag.value == 0 and not flag.try_wait()
+
+
+async def test_flags_apart_by_signal_index_and_seq_parity(pair: LocalLinks) -> None:
+    a, b = ends(pair)
+    for signal in (Signal.ACK, Signal.DATA, Signal.DATA_ACK):
+        for index in (0, 1, 0xFFFE):
+            for seq in (4, 5):
+                a.post(signal, index, seq, value=int(signal) * 100000 + index * 10 + seq)
+    for signal in (Signal.ACK, Signal.DATA, Signal.DATA_ACK):
+        for index in (0, 1, 0xFFFE):
+            for seq in (4, 5):
+                await settle(b, signal, index, seq)
+                assert b.value(signal, index, seq) == int(signal) * 100000 + index * 10 + seq
+    assert all(f.overruns == 0 for f in b._notifies.values())
+
+
+@pytest.mark.parametrize("nbytes", LINK_SIZES)
+async def test_put_then_post_lands_in_order(pair: LocalLinks, nbytes: int) -> None:
+    a, b = ends(pair)
+    rng = np.random.default_rng(nbytes)
+    first = rng.integers(0, 256, nbytes, dtype=np.uint8)
+    second = rng.integers(0, 256, nbytes, dtype=np.uint8)
+    for k, data in enumerate((first, second)):  # the second put overwrites the first: order holds
+        pending = a.put(data, "in", 64, seq=k, run=_run)
+        if pending is not None:
+            await pending
+        a.post(Signal.DATA, 0, k)
+        await settle(b, Signal.DATA, 0, k)
+        np.testing.assert_array_equal(pair.buffers[1].ccl_in.array[64:64 + nbytes], data)
+    await asyncio.wait_for(a.flush(), 10)  # every put acknowledged (no-op where puts are copies)
+    assert a.bytes_sent == 2 * nbytes
+
+
+async def test_put_into_out_buffer_and_both_directions(pair: LocalLinks) -> None:
+    a, b = ends(pair)
+    x, y = np.arange(100, dtype=np.float64), -np.arange(50, dtype=np.int32)
+    a.put(x, "out", 0, 1, _run)
+    b.put(y, "out", 128, 1, _run)
+    a.post(Signal.DATA, 0, 1)
+    b.post(Signal.DATA, 0, 1)
+    await settle(b, Signal.DATA, 0, 1)
+    await settle(a, Signal.DATA, 0, 1)
+    np.testing.assert_array_equal(pair.buffers[1].ccl_out.array[:800].view(np.float64), x)
+    np.testing.assert_array_equal(pair.buffers[0].ccl_out.array[128:328].view(np.int32), y)
+
+
+async def test_a_put_needs_a_contiguous_source(pair: LocalLinks) -> None:
+    a, _ = ends(pair)
+    with pytest.raises(ValueError, match="contiguous"):
+        a.put(np.arange(10, dtype=np.uint8)[::2], "in", 0, 0, _run)
+
+
+async def test_remote_maps_the_peers_buffers_where_mapped(pair: LocalLinks) -> None:
+    a, _ = ends(pair)
+    if not a.mapped:
+        with pytest.raises(NotImplementedError):
+            a.remote("in")
+        return
+    for buf, region in (("in", pair.buffers[1].ccl_in), ("out", pair.buffers[1].ccl_out)):
+        view = a.remote(buf)
+        assert view.dtype == np.uint8 and view.nbytes == region.array.nbytes
+        region.array[:4] = [1, 2, 3, 4]
+        np.testing.assert_array_equal(view[:4], [1, 2, 3, 4])  # the same memory, not a copy
+
+
+async def test_read_copies_the_peers_memory_where_single_copy(pair: LocalLinks) -> None:
+    a, b = ends(pair)
+    src = np.arange(1000, dtype=np.uint32)  # "rank 1's user buffer": one process, one address space
+    dst = np.zeros_like(src)
+    if not a.single_copy:
+        with pytest.raises(NotImplementedError):
+            a.read(dst.view(np.uint8), int(src.ctypes.data), _run)
+        return
+    b.post(Signal.DATA, 2, 0, value=int(src.ctypes.data))  # the owner posts the address
+    await settle(a, Signal.DATA, 2, 0)
+    a.read(dst.view(np.uint8), a.value(Signal.DATA, 2, 0), _run)
+    np.testing.assert_array_equal(dst, src)
+
+
+async def test_fail_wakes_waiters_and_later_waits_raise(pair: LocalLinks) -> None:
+    _a, b = ends(pair)
+    waiter = asyncio.ensure_future(b.wait(Signal.DATA, 0, 3))
+    await asyncio.sleep(0.01)
+    error = RuntimeError("link failed for the test")
+    b.fail(error)
+    with pytest.raises(RuntimeError, match="link failed for the test"):
+        await asyncio.wait_for(waiter, 5)
+    with pytest.raises(RuntimeError, match="link failed for the test"):
+        await b.wait(Signal.ACK, 1, 4)  # a flag first asked for after the failure
+
+
+async def test_close_is_idempotent(pair: LocalLinks) -> None:
+    a, b = ends(pair)
+    a.close()
+    a.close()
+    b.close()
