@@ -20,7 +20,7 @@ Reliability (always on):
 * Timeouts: ``AHCOMM_EXEC_TIMEOUT`` or a call's ``timeout=`` (seconds from when it starts
   running). On expiry every peer is asked where it stands, and ``CollectiveTimeout`` names the
   ranks that had not arrived; the peers are told the same.
-* A lost peer (``Link.on_lost``: the transport saw its socket close or its heartbeats stop)
+* A lost peer (``LinkEvents.on_lost``: the transport saw its socket close or its heartbeats stop)
   fails the communicator with ``PeerFailure`` naming the peer and the collective in flight.
 * A call rejected after it took its sequence number (or by some ranks only) is retired:
   every rank that rejected it raises, and the peers are told (``_retire``); if some rank ran
@@ -122,8 +122,7 @@ class Comm(ThreadsafeCalls, BlockedCollectives, ObjectCollectives, PointToPoint)
             if child:
                 parent._children.append(self)
         self._health = health = Health(self, self._executor, self._flight)  # failures: mismatch, timeout, loss
-        self._executor.set_hooks(on_abort=health.peer_aborted, on_fingerprint=health.on_fingerprint,
-                                 on_control=health.on_control, on_lost=health.on_lost, on_broken=health.on_broken)
+        self._executor.attach(health)  # the links' events (transports.base.LinkEvents)
         self._p2p_init()
         self._sync_init()
         if self._loop is not None:

@@ -475,12 +475,12 @@ class Health:
             self.fail(error, record=False, tell=("malformed", text), extra={"from": sender, "by": by})
             return
         else:  # "abort" (the peer's own abort()) or a failure of its own: as an abort message would say
-            self.peer_aborted(peer, text)
+            self.on_abort(peer, text)
             return
         error.flight_record = path
         self.fail(error, record=False)
 
-    def peer_aborted(self, peer: int, reason: str) -> None:
+    def on_abort(self, peer: int, reason: str) -> None:
         if self.final is None:
             message = (f"{self.name(peer)} aborted its communicator ({reason}); "
                        f"{self.name(self._comm.rank)} can no longer run collectives on it")

@@ -13,6 +13,7 @@ import pytest
 import ahcomm
 from ahcomm.transports import inproc
 
+from support.events import Events
 from support.inproc import links_of
 
 
@@ -102,8 +103,7 @@ async def test_close_while_a_mismatch_is_being_diagnosed_delivers_the_verdict(mo
     monkeypatch.setenv("AHCOMM_FLIGHT_DIR", str(tmp_path))
     comms = await ahcomm.init_inprocess(2, buffsize=1 << 20)
     for link in links_of(comms[1]).values():
-        link.on_fingerprint = None
-        link.on_control = lambda peer, payload: None  # deaf and mute
+        link.attach(Events(link.events, on_fingerprint=None, on_control=None))  # deaf and mute
     mine = comms[0].all_reduce(np.ones(8, np.float32))
     comms[1].all_reduce(np.ones(4, np.float32))
     await asyncio.sleep(0.05)
@@ -130,8 +130,7 @@ async def test_abort_during_a_diagnosis_wins_and_garbage_control_messages_are_ig
         links_of(comms[0])[1].send_control(payload)  # arrives at rank 1
     assert comms[1]._health.error is None
     for link in links_of(comms[1]).values():
-        link.on_fingerprint = None
-        link.on_control = lambda peer, payload: None
+        link.attach(Events(link.events, on_fingerprint=None, on_control=None))
     mine = comms[0].all_reduce(np.ones(8, np.float32))
     comms[1].all_reduce(np.ones(4, np.float32))
     await asyncio.sleep(0.05)

@@ -91,3 +91,26 @@ def test_the_communicator_and_the_algorithms_package_form_no_cycle() -> None:
         graph.setdefault(node(mod), set()).update(node(d) for d in deps if node(d) != node(mod))
     assert all(name in graph for name in CORE)
     assert _cycle(graph) is None
+
+
+# what an algorithm may name of the transport layer: the data plane and the signals (the
+# executor, which runs them, holds the connections and attaches the communicator's events)
+DATA_PLANE = {"DataLink", "Signal", "MemoryRunner"}
+CONNECTION_LEVEL = {"attach", "events", "send_control", "send_abort", "send_message", "message", "child",
+                    "describe_buffers", "receiver", "stats", "on_abort", "on_fingerprint", "on_control",
+                    "on_lost", "on_broken"}
+
+
+def test_algorithms_see_only_the_data_plane_of_links() -> None:
+    for path in sorted((PACKAGE / "algorithms").glob("*.py")):
+        if path.name == "_executor.py":
+            continue
+        tree = ast.parse(path.read_text(), str(path))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").endswith("transports.base"):
+                names = {alias.name for alias in node.names}
+                assert names <= DATA_PLANE, f"{path.name} imports {sorted(names - DATA_PLANE)} from transports.base"
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Subscript):
+                target = ast.unparse(node.value)
+                if "links[" in target:
+                    assert node.attr not in CONNECTION_LEVEL, f"{path.name}: {target}.{node.attr}"

@@ -26,6 +26,7 @@ from ahcomm._collectives import Gathered
 from ahcomm.transports.base import Link
 
 from jobs import job_argv, job_env, run_job
+from support.events import Events
 from support.inproc import links_of
 
 HERE = Path(__file__).parent
@@ -178,16 +179,14 @@ async def test_the_fingerprint_is_given_when_the_peer_does_not_describe_its_call
         monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(_health, "REPLY_WAIT", 0.2)
     comms = await ahcomm.init_inprocess(2, buffsize=MIB)
-    for link in links_of(comms[1]).values():
-        link.on_fingerprint = None  # rank 1 does not check...
     answer = comms[1]._health.on_control
 
     def mute(peer: int, payload: bytes) -> None:  # ... and does not describe its calls
         if b"desc?" not in payload:
             answer(peer, payload)
 
-    for link in links_of(comms[1]).values():
-        link.on_control = mute
+    for link in links_of(comms[1]).values():  # rank 1 does not check fingerprints, nor describe its calls
+        link.attach(Events(link.events, on_fingerprint=None, on_control=mute))
     got = await outcomes([comms[0].all_reduce(np.ones(8, F32)), comms[1].all_reduce(np.ones(9, F32))])
     fp = comms[1]._flight.find(0).call.fingerprint  # type: ignore[union-attr]
     for comm, res in zip(comms, got):
@@ -269,7 +268,7 @@ async def test_timeout_names_a_rank_that_does_not_answer(monkeypatch: pytest.Mon
     comms = await ahcomm.init_inprocess(3, buffsize=MIB)
     comms[0]._exec_timeout = 0.3  # AHCOMM_EXEC_TIMEOUT
     for link in links_of(comms[2]).values():
-        link.on_control = lambda peer, payload: None
+        link.attach(Events(link.events, on_control=None))
     got = await outcomes([comms[0].all_gather(np.ones(4)), comms[1].all_gather(np.ones(4))])
     err = got[0]
     assert isinstance(err, ahcomm.CollectiveTimeout), repr(err)
