@@ -10,14 +10,12 @@ a read-only view (``_core``). Rejected calls are ``Retirement``'s (``_retire``),
 from __future__ import annotations
 
 import asyncio
-import itertools
 import threading
 import time
 from collections.abc import Coroutine
 from typing import Any
 
-import msgpack
-
+from ._control import Requests, unpack
 from ._core import CommState, Job
 from ._errors import (
     AhcommError,
@@ -35,13 +33,6 @@ from .algorithms.base import Call
 PROBE_AFTER = 1.0  # seconds a collective runs before it announces its fingerprint to every peer
 REPLY_WAIT = 1.0  # seconds to wait for peers' answers (a call's description, where they stand)
 MAX_EARLY = 4096  # fingerprints kept for calls not issued here yet (bounded: peers run <= 2 ahead)
-_CONTROL = b"AHc1"  # prefix of this layer's control messages (msgpack follows)
-
-
-def _pack(msg: dict[str, Any]) -> bytes:
-    packed: bytes = msgpack.packb(msg, use_bin_type=True)
-    return _CONTROL + packed
-
 
 def mark(entry: Entry, exc: BaseException) -> None:
     """Mark a flight-recorder entry as failed with ``exc``."""
@@ -63,8 +54,7 @@ class Health:
         self.early: dict[int, list[tuple[int, int]]] = {}  # seq -> [(peer, fingerprint)] not checkable yet
         self.held: list[Job] = []  # jobs that failed while a diagnosis runs: they get its verdict
         self.diagnosis: asyncio.Task[None] | None = None
-        self._requests: dict[int, asyncio.Future[dict[str, Any]]] = {}
-        self._request_ids = itertools.count(1)
+        self.control = Requests(executor)  # control messages to the peers, replies awaited
         self.retired = Retirement(comm, executor, self)
 
     # -- mismatch detection -----------------------------------------------------------------
@@ -124,7 +114,7 @@ class Health:
 
     async def _diagnose_mismatch(self, peer: int, seq: int, theirs: int,
                                  call: Call | None) -> tuple[BaseException, tuple[str, str]]:
-        reply = await self._ask(peer, {"t": "desc?", "seq": seq})
+        reply = await self.control.ask(peer, {"t": "desc?", "seq": seq}, REPLY_WAIT)
         mine = describe(call) if call is not None else "an unknown collective"
         my_op = call.op if call is not None else None
         if reply is not None and reply.get("desc"):
@@ -176,9 +166,7 @@ class Health:
     def _announce(self, job: Job) -> None:
         """Send the running call's fingerprint to every peer (which checks it as if a signal carried it)."""
         if self._comm.size > 1 and job.call._fp:
-            payload = _pack({"t": "fp", "seq": job.call.seq, "fp": job.call._fp})
-            for peer in self._executor.links:
-                self._executor.send_control(peer, payload)
+            self.control.send_all({"t": "fp", "seq": job.call.seq, "fp": job.call._fp})
 
     def _timed_out(self, job: Job, limit: float) -> None:
         call = job.call
@@ -189,7 +177,7 @@ class Health:
     async def _diagnose_timeout(self, job: Job, head: str) -> tuple[BaseException, tuple[str, str]]:
         """Ask every peer where it stands; name the ranks that had not reached the call."""
         seq = job.call.seq
-        replies = await self._ask_all({"t": "st?"})
+        replies = await self.control.ask_all({"t": "st?"}, REPLY_WAIT)
         missing: list[int] = []
         notes: list[str] = []
         algorithms: dict[str, list[int]] = {}
@@ -233,25 +221,23 @@ class Health:
 
     # -- control messages -------------------------------------------------------------------
     def on_control(self, peer: int, payload: bytes) -> None:
-        if self._comm._closed or not payload.startswith(_CONTROL):
+        if self._comm._closed:
             return
         try:
-            msg = msgpack.unpackb(payload[len(_CONTROL):], raw=False)
-            if not isinstance(msg, dict):
+            msg = unpack(payload)
+            if msg is None:
                 return
             kind = msg.get("t")
             if kind == "fp":
                 self.on_fingerprint(peer, int(msg["seq"]), int(msg["fp"]))
             elif kind == "re":
-                fut = self._requests.pop(int(msg.get("id", 0)), None)
-                if fut is not None and not fut.done():
-                    fut.set_result(msg)
+                self.control.replied(msg)
             elif kind == "desc?":
                 call = self._call_for(int(msg["seq"]))
                 desc = {"op": call.op, "desc": describe(call)} if call is not None else {"desc": None}
-                self._reply(peer, msg, desc)
+                self.control.reply(peer, msg, desc)
             elif kind == "st?":
-                self._reply(peer, msg, self._status())
+                self.control.reply(peer, msg, self._status())
             elif kind == "fail":
                 self._told(peer, msg)
             elif kind == "ret":
@@ -261,12 +247,7 @@ class Health:
 
     def send_all(self, msg: dict[str, Any]) -> None:
         """Send the control message ``msg`` to every peer."""
-        payload = _pack(msg)
-        for peer in self._executor.links:
-            self._executor.send_control(peer, payload)
-
-    def _reply(self, peer: int, request: dict[str, Any], answer: dict[str, Any]) -> None:
-        self._executor.send_control(peer, _pack({"t": "re", "id": request.get("id", 0), **answer}))
+        self.control.send_all(msg)
 
     def _status(self) -> dict[str, Any]:
         job = self._comm._running
@@ -279,37 +260,6 @@ class Health:
             "last_op": last.op if last is not None else None,
             "failed": str(self.error) if self.error is not None else None,
         }
-
-    async def _ask(self, peer: int, msg: dict[str, Any]) -> dict[str, Any] | None:
-        """Send a request to ``peer``; its reply (None if none came within REPLY_WAIT)."""
-        return (await self._ask_all(msg, [peer])).get(peer)
-
-    async def _ask_all(self, msg: dict[str, Any], peers: list[int] | None = None) -> dict[int, dict[str, Any] | None]:
-        """Send ``msg`` to every peer (or ``peers``); their replies within REPLY_WAIT (None: no reply)."""
-        loop = asyncio.get_running_loop()
-        waiting: dict[int, asyncio.Future[dict[str, Any]]] = {}
-        ids = []
-        for peer in (peers if peers is not None else list(self._executor.links)):
-            rid = next(self._request_ids)
-            fut: asyncio.Future[dict[str, Any]] = loop.create_future()
-            self._requests[rid] = fut
-            ids.append(rid)
-            if self._executor.send_control(peer, _pack({**msg, "id": rid})):
-                waiting[peer] = fut
-        try:
-            if waiting:
-                await asyncio.wait(list(waiting.values()), timeout=REPLY_WAIT)
-        finally:
-            for rid in ids:
-                self._requests.pop(rid, None)
-        asked = peers if peers is not None else self._executor.links
-        out: dict[int, dict[str, Any] | None] = dict.fromkeys(asked)
-        for peer, fut in waiting.items():
-            if fut.done() and not fut.cancelled():
-                out[peer] = fut.result()
-            else:
-                fut.cancel()
-        return out
 
     # -- failures ---------------------------------------------------------------------------
     def _freeze(self, error: BaseException,
@@ -373,9 +323,7 @@ class Health:
             missing = getattr(error, "missing", None)
             if missing:
                 facts["missing"] = list(missing)
-            payload = _pack({"t": "fail", "kind": kind, "msg": text[:16000], **facts, **(extra or {})})
-            for peer in self._executor.links:
-                self._executor.send_control(peer, payload)
+            self.control.send_all({"t": "fail", "kind": kind, "msg": text[:16000], **facts, **(extra or {})})
             self._executor.tell_peers(text)
         pending = [*self.held, *self._comm._drain_queue()]
         self.held.clear()
@@ -436,9 +384,7 @@ class Health:
                 await task
             except BaseException:  # noqa: BLE001
                 pass
-        for fut in self._requests.values():
-            fut.cancel()
-        self._requests.clear()
+        self.control.close()
         self.early.clear()
         self.fps.clear()
 
