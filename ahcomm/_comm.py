@@ -13,7 +13,7 @@ Reliability (always on):
   ``Call.fingerprint``); the link hands it to ``Health.on_fingerprint`` (``_health``), which compares it with this
   rank's own call of that sequence number (a dict lookup). A fingerprint for a call not
   issued here yet is kept and checked when it is. A collective that runs longer than
-  ``PROBE_AFTER`` also announces its fingerprint to every peer by control message, so calls
+  ``_watchdog.PROBE_AFTER`` also announces its fingerprint to every peer by control message, so calls
   whose signals never meet are caught too. On a difference the communicator stops at once,
   asks the peer to describe its call (control request, ``REPLY_WAIT``) and fails every rank
   with ``CollectiveMismatchError`` naming both calls.
@@ -405,8 +405,9 @@ class Comm(ThreadsafeCalls, BlockedCollectives, ObjectCollectives, PointToPoint)
         entry = job.entry
         if entry is not None:
             entry.state, entry.started, entry.algorithm = "running", time.monotonic(), job.algorithm.name
-        if health.watchdog is None or job.timeout is not None:
-            health.arm(job, now)
+        watchdog = health.watchdog
+        if watchdog.timer is None or job.timeout is not None:
+            watchdog.arm(job, now)
         try:
             await self._executor.run(call, job.algorithm, job.src, job.dst, ufunc, ready=job.ready)
         finally:

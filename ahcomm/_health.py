@@ -27,10 +27,10 @@ from ._errors import (
 )
 from ._flight import Entry, FlightRecorder, describe
 from ._retire import Retirement
+from ._watchdog import Watchdog
 from .algorithms._executor import Executor
 from .algorithms.base import Call
 
-PROBE_AFTER = 1.0  # seconds a collective runs before it announces its fingerprint to every peer
 REPLY_WAIT = 1.0  # seconds to wait for peers' answers (a call's description, where they stand)
 MAX_EARLY = 4096  # fingerprints kept for calls not issued here yet (bounded: peers run <= 2 ahead)
 
@@ -49,12 +49,12 @@ class Health:
         self._flight = flight
         self.error: BaseException | None = None  # set when the communicator stops (first failure)
         self.final: BaseException | None = None  # the error every call gets (None while diagnosing)
-        self.watchdog: asyncio.TimerHandle | None = None
         self.fps: dict[int, int] = {}  # seq -> fingerprint of this rank's unfinished calls (0: not known yet)
         self.early: dict[int, list[tuple[int, int]]] = {}  # seq -> [(peer, fingerprint)] not checkable yet
         self.held: list[Job] = []  # jobs that failed while a diagnosis runs: they get its verdict
         self.diagnosis: asyncio.Task[None] | None = None
         self.control = Requests(executor)  # control messages to the peers, replies awaited
+        self.watchdog = Watchdog(comm, self)  # probes long collectives, times out overdue ones
         self.retired = Retirement(comm, executor, self)
 
     # -- mismatch detection -----------------------------------------------------------------
@@ -110,7 +110,7 @@ class Health:
         text = (f"{op} #{seq} mismatch: {self.name(self._comm.rank)} called {mine}, {self.name(peer)} called a "
                 f"different collective (fingerprint {theirs:#010x})")
         error = CollectiveMismatchError(text, seq=seq, ranks=tuple(sorted((self._comm.rank, peer))))
-        self._freeze(error, self._diagnose_mismatch(peer, seq, theirs, call))
+        self.freeze(error, self._diagnose_mismatch(peer, seq, theirs, call))
 
     async def _diagnose_mismatch(self, peer: int, seq: int, theirs: int,
                                  call: Call | None) -> tuple[BaseException, tuple[str, str]]:
@@ -131,93 +131,6 @@ class Health:
         error = CollectiveMismatchError(text + suffix, seq=seq, ranks=tuple(r for r, _ in sides))
         error.flight_record = path
         return error, ("mismatch", text)
-
-    # -- timeouts ---------------------------------------------------------------------------
-    def arm(self, job: Job, now: float) -> None:
-        """(Re)start the watchdog for ``job``, which starts now."""
-        limit = job.timeout if job.timeout is not None else self._comm._exec_timeout
-        if self.watchdog is not None:
-            self.watchdog.cancel()
-        assert self._comm._loop is not None
-        self.watchdog = self._comm._loop.call_at(now + min(PROBE_AFTER, limit / 2), self._check_timeout)
-
-    def _check_timeout(self) -> None:
-        """The watchdog: one timer per communicator, not one per collective. A collective that
-        runs long announces its fingerprint to the peers once; one past its limit times out."""
-        self.watchdog = None
-        job = self._comm._running
-        if job is None or self.error is not None or self._comm._loop is None:
-            return
-        now = self._comm._loop.time()
-        limit = job.timeout if job.timeout is not None else self._comm._exec_timeout
-        elapsed = now - self._comm._started
-        if elapsed >= limit:
-            self._timed_out(job, limit)
-            return
-        probe = min(PROBE_AFTER, limit / 2)
-        if not job.probed:
-            if elapsed < probe:
-                self.watchdog = self._comm._loop.call_at(self._comm._started + probe, self._check_timeout)
-                return
-            job.probed = True
-            self._announce(job)
-        self.watchdog = self._comm._loop.call_at(self._comm._started + limit, self._check_timeout)
-
-    def _announce(self, job: Job) -> None:
-        """Send the running call's fingerprint to every peer (which checks it as if a signal carried it)."""
-        if self._comm.size > 1 and job.call._fp:
-            self.control.send_all({"t": "fp", "seq": job.call.seq, "fp": job.call._fp})
-
-    def _timed_out(self, job: Job, limit: float) -> None:
-        call = job.call
-        source = f"timeout={limit:g}" if job.timeout is not None else "AHCOMM_EXEC_TIMEOUT"
-        head = f"{call.op} #{call.seq} on {self.name(self._comm.rank)} did not complete within {limit:g} s ({source})"
-        self._freeze(CollectiveTimeout(head, op=call.op, seq=call.seq), self._diagnose_timeout(job, head))
-
-    async def _diagnose_timeout(self, job: Job, head: str) -> tuple[BaseException, tuple[str, str]]:
-        """Ask every peer where it stands; name the ranks that had not reached the call."""
-        seq = job.call.seq
-        replies = await self.control.ask_all({"t": "st?"}, REPLY_WAIT)
-        missing: list[int] = []
-        notes: list[str] = []
-        algorithms: dict[str, list[int]] = {}
-        if job.algorithm is not None:
-            algorithms[job.algorithm.name] = [self._comm.rank]
-        for peer in sorted(replies):
-            st = replies[peer]
-            if st is None:
-                missing.append(peer)
-                notes.append(f"{self.name(peer)} did not answer within {REPLY_WAIT:g} s")
-                continue
-            nxt, running, done = int(st.get("next", 0)), int(st.get("running", -1)), int(st.get("done", -1))
-            if int(st.get("started", -1)) >= seq or done >= seq:  # it reached the call (it may have failed since)
-                if running == seq and st.get("algorithm"):
-                    algorithms.setdefault(str(st["algorithm"]), []).append(peer)
-                continue
-            missing.append(peer)
-            completed = f"last completed: #{done}" if done >= 0 else "none completed"
-            failed = f"; its communicator failed: {st['failed']}" if st.get("failed") else ""
-            if nxt <= seq:
-                last = f"its last call: #{nxt - 1} {st.get('last_op')}" if nxt > 0 else "no collective called yet"
-                notes.append(f"{self.name(peer)} has not called it yet ({last}, {completed}){failed}")
-            elif running >= 0:
-                notes.append(f"{self.name(peer)} is still in {st.get('running_op')} #{running}{failed}")
-            else:
-                notes.append(f"{self.name(peer)} has it queued ({completed}){failed}")
-        if missing:
-            who = ", ".join(str(p) for p in missing)
-            diag = f"rank{'s' if len(missing) > 1 else ''} {who} had not arrived: {'; '.join(notes)}"
-        else:
-            diag = "every rank had arrived, so the collective itself is stuck"
-            if len(algorithms) > 1:
-                diag += " (the ranks run different algorithms: " + ", ".join(
-                    f"{name} on rank{'s' if len(r) > 1 else ''} {', '.join(map(str, r))}"
-                    for name, r in algorithms.items()) + ")"
-        text = f"{head}: {diag}; the communicator is now unusable"
-        suffix, path = self.record(text)
-        error = CollectiveTimeout(text + suffix, op=job.call.op, seq=seq, missing=tuple(missing))
-        error.flight_record = path
-        return error, ("timeout", text)
 
     # -- control messages -------------------------------------------------------------------
     def on_control(self, peer: int, payload: bytes) -> None:
@@ -262,7 +175,7 @@ class Health:
         }
 
     # -- failures ---------------------------------------------------------------------------
-    def _freeze(self, error: BaseException,
+    def freeze(self, error: BaseException,
                 diagnosis: "Coroutine[Any, Any, tuple[BaseException, tuple[str, str]]]") -> None:
         """Stop at once (nothing more runs, no result is delivered) and diagnose; the verdict
         fails every pending call and is sent to the peers."""
@@ -374,9 +287,7 @@ class Health:
 
     async def close(self) -> None:
         """Stop the watchdog and the diagnosis, drop the requests and what was kept for checks."""
-        if self.watchdog is not None:
-            self.watchdog.cancel()
-            self.watchdog = None
+        self.watchdog.cancel()
         task = self.diagnosis
         if task is not None and not task.done():
             task.cancel()
@@ -476,6 +387,11 @@ class Health:
         error = TransportError(message + suffix)
         error.flight_record = path
         self.fail(error, record=False, tell=("malformed", text), extra={"from": peer, "by": self._comm.rank})
+
+    @property
+    def reply_wait(self) -> float:
+        """Seconds to wait for the peers' answers (``REPLY_WAIT``, read when asked)."""
+        return REPLY_WAIT
 
     def name(self, rank: int) -> str:
         """How messages name a rank of this communicator (a sub-communicator's with its world rank)."""

@@ -13,8 +13,8 @@ import ahcomm
 
 PACKAGE = Path(ahcomm.__file__).parent
 # the communicator's parts and what they build on (issue 10): these above all must stay acyclic
-CORE = ("_comm", "_core", "_health", "_retire", "_collectives", "_objects", "_p2p", "_groups", "_sync",
-        "_trace", "_clock", "_flight", "_stream", "algorithms")
+CORE = ("_comm", "_core", "_health", "_retire", "_watchdog", "_control", "_collectives", "_objects", "_p2p",
+        "_groups", "_sync", "_trace", "_clock", "_flight", "_stream", "algorithms")
 
 
 def _name(path: Path) -> str:

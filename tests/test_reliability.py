@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 import ahcomm
-from ahcomm import _buffers, _health
+from ahcomm import _buffers, _health, _watchdog
 from ahcomm._collectives import Gathered
 from ahcomm.transports.base import Link
 
@@ -157,7 +157,7 @@ async def test_calls_whose_signals_never_carry_a_fingerprint_are_caught_by_the_a
         deliver(self, signal, index, seq, value, 0)
 
     monkeypatch.setattr(Link, "deliver", no_fingerprint)
-    monkeypatch.setattr(_health, "PROBE_AFTER", 0.1)
+    monkeypatch.setattr(_watchdog, "PROBE_AFTER", 0.1)
     comms = await ahcomm.init_inprocess(2, buffsize=MIB)
     for c in comms:
         c._exec_timeout = 20
