@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _trace
+from . import _clock
 from ._buffers import CclBuffers
 from ._comm import Comm
 from ._config import Config
@@ -180,7 +180,7 @@ async def create(config: Config | None = None, *, rank: int | None = None, world
                 selector=Selector(REGISTRY, cfg.algo, cost_model), exec_timeout=cfg.exec_timeout,
                 on_close=on_close)
     comm._executor.mailbox = mailbox
-    tracing = _trace.tracer_of(comm) is not None
+    tracing = _clock.tracer_of(comm) is not None
     if size > 1:
         single_copy = cfg.single_copy and all(link.single_copy for link in links.values())
         single, every_rank_traces = await _agree(comm, single_copy, tracing)
@@ -189,7 +189,7 @@ async def create(config: Config | None = None, *, rank: int | None = None, world
             logging.getLogger("ahcomm.trace").warning(
                 "rank %d: AHCOMM_TRACE is set here but not on every rank: the trace files get no clock offsets", rank)
         elif tracing:  # this rank's clock offset to rank 0's, for merged timelines
-            await _trace.estimate_offsets(comm)
+            await _clock.estimate_offsets(comm)
     return comm
 
 

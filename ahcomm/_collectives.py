@@ -1,6 +1,6 @@
 """The catalogue's collectives: reduce, gather, scatter, all_to_all and the uneven variants.
 
-A mixin of ``Comm``. Blocks are rows along axis 0; ``Call.counts`` carries them in
+A mixin of ``Comm`` (typed against ``_core.CommCore``). Blocks are rows along axis 0; ``Call.counts`` carries them in
 elements. Where a rank cannot know every count (all_gather_v, gather_v, scatter_v without
 counts, all_to_all_v without receive counts) a small count exchange runs first as its own
 collective, and the main one is filled in when its turn comes: both take their sequence
@@ -11,23 +11,16 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any
 
 import numpy as np
 
+from ._core import FrontEnd, Job
+from ._core import Gathered as Gathered  # its home for users: ahcomm.Gathered
 from ._devices import device_aware
 from ._dtypes import ReduceOp, check_reduce, finish_avg
 from ._errors import InvalidArgument, InvalidDtype, UsageError
 from .algorithms.base import Call
-
-if TYPE_CHECKING:
-    from ._comm import _Job
-
-class Gathered(NamedTuple):
-    """An uneven result: the data and how many rows (axis 0) came from each rank."""
-
-    data: np.ndarray
-    counts: tuple[int, ...]
 
 
 def flat_view(result: np.ndarray) -> np.ndarray:
@@ -48,29 +41,8 @@ def _row_size(arr: np.ndarray) -> int:
     return int(np.prod(arr.shape[1:], dtype=np.int64)) if arr.ndim > 1 else 1
 
 
-class BlockedCollectives:
+class BlockedCollectives(FrontEnd):
     """reduce, gather(_v), scatter(_v), all_to_all(_v), all_gather_v, reduce_scatter_v."""
-
-    rank: int
-    size: int
-
-    if TYPE_CHECKING:
-        _seq: int
-
-        def _input(self, x: Any, what: str) -> tuple[np.ndarray, np.dtype]: ...
-        def _check_root(self, root: int, what: str) -> None: ...
-        def _check_open(self) -> None: ...
-        def _reject(self, op: str, exc: UsageError, root: int = 0) -> UsageError: ...
-        def _output(self, op: str, out: np.ndarray | None, shape: tuple[int, ...],
-                    dtype: np.dtype) -> np.ndarray: ...
-        def _submit(self, call: Call, src: np.ndarray, dst: np.ndarray, result: Any,
-                    finish: Callable[[], None] | None, algorithm: str | None, *,
-                    prepare: Callable[[_Job], None] | None = None,
-                    later: bool = False, timeout: float | None = None) -> asyncio.Future[Any]: ...
-        def all_gather(self, x: Any, *, out: np.ndarray | None = None, algorithm: str | None = None,
-                       timeout: float | None = None) -> asyncio.Future[np.ndarray]: ...
-        def broadcast(self, x: Any, root: int = 0, *, out: np.ndarray | None = None, algorithm: str | None = None,
-                      timeout: float | None = None) -> asyncio.Future[np.ndarray]: ...
 
     # -- public ------------------------------------------------------------------------------
     @device_aware
@@ -139,7 +111,7 @@ class BlockedCollectives:
         call = Call(op="all_gather_v", seq=self._seq, dtype=dtype, count=src.size)
         row = _row_size(arr)
 
-        def prepare(job: _Job, rows: tuple[int, ...]) -> None:
+        def prepare(job: Job, rows: tuple[int, ...]) -> None:
             result = self._output("all_gather_v", out, (sum(rows), *arr.shape[1:]), dtype)
             job.dst = flat_view(result)
             job.call.counts = tuple(r * row for r in rows)
@@ -238,6 +210,21 @@ class BlockedCollectives:
         return self._all_to_all(arr, send, None, out, algorithm, "all_to_all_v", exchanged=exchanged,
                                 timeout=timeout)
 
+    def _reject(self, op: str, exc: UsageError, root: int = 0) -> UsageError:
+        """``exc`` is a check that only some ranks can make (a root-only argument, this rank's
+        own rows): the call still takes its sequence number here and is retired in its turn
+        (``_retire``), so every rank agrees about it. Returns ``exc`` for the caller to raise."""
+        if self.size > 1 and self._live():
+            empty = np.empty(0, np.uint8)
+
+            def rejected(job: Job) -> None:
+                raise exc
+
+            call = Call(op=op, seq=self._seq, dtype=empty.dtype, count=0, root=int(root))
+            done = self._submit(call, empty, empty, None, None, None, prepare=rejected, later=True)
+            done.add_done_callback(retrieved)  # the caller gets exc at once
+        return exc
+
     # -- plumbing ----------------------------------------------------------------------------
     def _finish(self, dst: np.ndarray, result: np.ndarray, redop: ReduceOp | None) -> Callable[[], None] | None:
         avg = redop is ReduceOp.AVG
@@ -315,7 +302,7 @@ class BlockedCollectives:
         src = np.ascontiguousarray(arr).reshape(-1)
         call = Call(op=op, seq=self._seq, dtype=dtype, count=src.size, root=int(root))
 
-        def prepare(job: _Job) -> None:
+        def prepare(job: Job) -> None:
             got = rows if rows is not None else later()  # type: ignore[misc]
             job.call.counts = tuple(r * row for r in got)
             if self.rank == root:
@@ -354,7 +341,7 @@ class BlockedCollectives:
         call = Call(op=op, seq=self._seq, dtype=dtype, count=send[self.rank] * row,
                     counts=tuple(s * row for s in send))
 
-        def prepare(job: _Job) -> None:
+        def prepare(job: Job) -> None:
             got = recv if recv is not None else tuple(int(c) for c in exchanged.result())  # type: ignore[union-attr]
             result = self._output(op, out, (sum(got), *arr.shape[1:]), dtype)
             job.dst = flat_view(result)

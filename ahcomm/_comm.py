@@ -10,17 +10,17 @@ it completes in the background (its peers depend on it) and later ones are unaff
 Reliability (always on):
 
 * Mismatch detection: every signal a peer posts carries the fingerprint of its call (see
-  ``Call.fingerprint``); the link hands it to ``_on_fingerprint``, which compares it with this
+  ``Call.fingerprint``); the link hands it to ``Health.on_fingerprint`` (``_health``), which compares it with this
   rank's own call of that sequence number (a dict lookup). A fingerprint for a call not
   issued here yet is kept and checked when it is. A collective that runs longer than
-  ``PROBE_AFTER`` also announces its fingerprint to every peer by control message, so calls
+  ``_watchdog.PROBE_AFTER`` also announces its fingerprint to every peer by control message, so calls
   whose signals never meet are caught too. On a difference the communicator stops at once,
   asks the peer to describe its call (control request, ``REPLY_WAIT``) and fails every rank
   with ``CollectiveMismatchError`` naming both calls.
 * Timeouts: ``AHCOMM_EXEC_TIMEOUT`` or a call's ``timeout=`` (seconds from when it starts
   running). On expiry every peer is asked where it stands, and ``CollectiveTimeout`` names the
   ranks that had not arrived; the peers are told the same.
-* A lost peer (``Link.on_lost``: the transport saw its socket close or its heartbeats stop)
+* A lost peer (``LinkEvents.on_lost``: the transport saw its socket close or its heartbeats stop)
   fails the communicator with ``PeerFailure`` naming the peer and the collective in flight.
 * A call rejected after it took its sequence number (or by some ranks only) is retired:
   every rank that rejected it raises, and the peers are told (``_retire``); if some rank ran
@@ -35,51 +35,32 @@ naming it, and every peer is told (a control message giving the kind, then an ab
 from __future__ import annotations
 
 import asyncio
-import itertools
 import threading
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, Self
 
 import numpy as np
 
-from . import _elastic, _flight, _groups, _health
+from . import _elastic, _flight, _groups
 from ._buffers import CclBuffers
 from ._collectives import BlockedCollectives, flat_view
+from ._core import Job
 from ._devices import device_aware, take_staging
 from ._dtypes import ReduceOp, check_dtype, check_reduce, ufunc_for
-from ._errors import CommClosedError, InvalidArgument, UsageError, check_timeout
-from ._flight import Entry, FlightRecorder
-from ._health import Health
+from ._errors import CommClosedError, InvalidArgument, check_timeout
+from ._flight import FlightRecorder
+from ._health import Health, mark
 from ._objects import ObjectCollectives
 from ._p2p import PointToPoint
-from ._retire import Retirement
 from ._sync import ThreadsafeCalls
 from .algorithms._executor import Executor, Progress
 from .algorithms._selection import Selector
-from .algorithms.base import WHOLE, Algorithm, Call, Topology
+from .algorithms.base import WHOLE, Call, Topology
 from .transports.base import Link
 
 _UFUNCS: dict[tuple[ReduceOp, np.dtype], np.ufunc] = {}  # ufunc_for's answers (a few dozen at most)
-
-
-@dataclass(slots=True)
-class _Job:
-    call: Call
-    algorithm: Algorithm | None  # None until ``prepare`` has run (it chooses)
-    src: np.ndarray  # flat, contiguous
-    dst: np.ndarray  # flat, contiguous (may be src itself)
-    result: Any  # what the caller gets back (an array, a Gathered, or None)
-    finish: Callable[[], None] | None  # after the run: avg division, copy to a strided out
-    future: asyncio.Future[Any]
-    prepare: Callable[["_Job"], None] | None = None  # fills the job in when its turn comes
-    override: str | None = None  # the per-call algorithm= (for a job prepared later)
-    timeout: float | None = None  # the per-call timeout= (None: AHCOMM_EXEC_TIMEOUT)
-    entry: Entry | None = None  # its flight-recorder entry
-    probed: bool = False  # its fingerprint was announced to the peers (it ran long)
-    ready: Callable[[int, int], Awaitable[None]] | None = None  # src elements [lo, hi) landed on the host
 
 
 def _as_array(x: Any, what: str) -> np.ndarray:
@@ -90,7 +71,7 @@ def _as_array(x: Any, what: str) -> np.ndarray:
     raise InvalidArgument(f"{what} must be a numpy array (or expose __array__), got {type(x).__name__}")
 
 
-class Comm(Health, Retirement, ThreadsafeCalls, BlockedCollectives, ObjectCollectives, PointToPoint):
+class Comm(ThreadsafeCalls, BlockedCollectives, ObjectCollectives, PointToPoint):
     """A group of ranks that run collectives together.
 
     A communicator belongs to the event loop it was created on: call it from that loop
@@ -100,7 +81,11 @@ class Comm(Health, Retirement, ThreadsafeCalls, BlockedCollectives, ObjectCollec
 
     def __init__(self, *, rank: int, size: int, links: dict[int, Link], buffers: CclBuffers,
                  topo: Topology, progress: Progress, selector: Selector, exec_timeout: float,
-                 on_close: Callable[[], Awaitable[None]] | None = None) -> None:
+                 on_close: Callable[[], Awaitable[None]] | None = None, parent: Comm | None = None,
+                 members: Sequence[int] = (), child: bool = True) -> None:
+        """A communicator of ``size`` ranks on ``links`` (``init`` makes the first one). One made
+        from ``parent`` (``_derive``) has the parent ranks ``members``, shares its domain numbers,
+        names world ranks in its messages and, as a ``child``, is closed before the parent."""
         self.rank = rank
         self.size = size
         self.topology = topo
@@ -109,39 +94,36 @@ class Comm(Health, Retirement, ThreadsafeCalls, BlockedCollectives, ObjectCollec
         self._exec_timeout = exec_timeout
         self._on_close = on_close
         self._seq = 0
-        self._queue: deque[_Job] = deque()
+        self._queue: deque[Job] = deque()
         self._worker: asyncio.Task[None] | None = None
         self._wakeup: asyncio.Future[None] | None = None
-        self._error: BaseException | None = None  # set when the communicator stops (first failure)
-        self._final: BaseException | None = None  # the error every call gets (None while diagnosing)
         self._closed = False
         self._closing = False  # close() passed its barrier: peers going away is expected
-        self._running: _Job | None = None  # the collective the executor is running
+        self._running: Job | None = None  # the collective the executor is running
         self._started = 0.0  # loop time it started
-        self._watchdog: asyncio.TimerHandle | None = None
         self._done_seq = -1  # last collective completed here
         self._started_seq = -1  # last collective started here (it may have failed since)
         self._flight = FlightRecorder(rank, size)
-        self._fps: dict[int, int] = {}  # seq -> fingerprint of this rank's unfinished calls (0: not known yet)
-        self._early: dict[int, list[tuple[int, int]]] = {}  # seq -> [(peer, fingerprint)] not checkable yet
-        self._held: list[_Job] = []  # jobs that failed while a diagnosis runs: they get its verdict
-        self._diagnosis: asyncio.Task[None] | None = None
-        self._requests: dict[int, asyncio.Future[dict[str, Any]]] = {}
-        self._request_ids = itertools.count(1)
         self._thread = threading.get_ident()
         try:
             self._loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
         except RuntimeError:
             self._loop = None
-        self.world_ranks: tuple[int, ...] = tuple(range(size))  # the first communicator's rank of each member
-        self.parent_ranks: tuple[int, ...] = self.world_ranks  # the parent's rank of each member (a sub-communicator)
-        self._parent: Comm | None = None
+        self._parent = parent
         self._children: list[Comm] = []  # open sub-communicators made from this one
-        self._domains = _groups.Domains()
-        self._executor.set_hooks(on_abort=self._peer_aborted, on_fingerprint=self._on_fingerprint,
-                                 on_control=self._on_control, on_lost=self._on_lost, on_broken=self._on_broken)
+        if parent is None:
+            self.world_ranks: tuple[int, ...] = tuple(range(size))  # the first communicator's rank of each member
+            self.parent_ranks: tuple[int, ...] = self.world_ranks  # the parent's rank of each member
+            self._domains = _groups.Domains()
+        else:
+            self.parent_ranks = tuple(members)
+            self.world_ranks = tuple(parent.world_ranks[p] for p in self.parent_ranks)
+            self._domains = parent._domains  # one process's connections: domain numbers are shared
+            if child:
+                parent._children.append(self)
+        self._health = health = Health(self, self._executor, self._flight)  # failures: mismatch, timeout, loss
+        self._executor.attach(health)  # the links' events (transports.base.LinkEvents)
         self._p2p_init()
-        self._retire_init()
         self._sync_init()
         if self._loop is not None:
             _flight.watch(self, self._loop)
@@ -263,6 +245,19 @@ class Comm(Health, Retirement, ThreadsafeCalls, BlockedCollectives, ObjectCollec
         from . import _grow
         return await _grow.grow(self, timeout)
 
+    def _derive(self, members: tuple[int, ...], *, rank: int, links: dict[int, Link], buffers: CclBuffers,
+                topo: Topology, progress: Progress, label: str,
+                on_close: Callable[[], Awaitable[None]] | None = None, child: bool = True) -> Self:
+        """A communicator of ``members`` (ranks of this one) on ``links`` derived from this one's
+        connections, with this one's selector and timeout; ``label`` names it in trace files."""
+        comm = type(self)(rank=rank, size=len(members), links=links, buffers=buffers, topo=topo, progress=progress,
+                          selector=self._selector, exec_timeout=self._exec_timeout, on_close=on_close, parent=self,
+                          members=members, child=child)
+        tracer = comm._executor.tracer
+        if tracer is not None:
+            tracer.set_group(label)
+        return comm
+
     # -- plumbing ---------------------------------------------------------------------------
     def _check_open(self) -> None:
         try:
@@ -273,8 +268,12 @@ class Comm(Health, Retirement, ThreadsafeCalls, BlockedCollectives, ObjectCollec
             self._not_my_loop(loop)
         if self._closed:
             raise CommClosedError(f"communicator (rank {self.rank}) is closed")
-        if self._error is not None:
-            raise CommClosedError(f"communicator (rank {self.rank}) failed earlier: {self._error}") from self._error
+        error = self._health.error
+        if error is not None:
+            raise CommClosedError(f"communicator (rank {self.rank}) failed earlier: {error}") from error
+
+    def _live(self) -> bool:
+        return not self._closed and self._health.error is None
 
     def _check_root(self, root: int, what: str) -> None:
         if not isinstance(root, (int, np.integer)) or not 0 <= int(root) < self.size:
@@ -312,7 +311,7 @@ class Comm(Health, Retirement, ThreadsafeCalls, BlockedCollectives, ObjectCollec
 
     def _submit(self, call: Call, src: np.ndarray, dst: np.ndarray, result: Any,
                 finish: Callable[[], None] | None, algorithm: str | None, *,
-                prepare: Callable[[_Job], None] | None = None, later: bool = False,
+                prepare: Callable[[Job], None] | None = None, later: bool = False,
                 timeout: float | None = None,
                 ready: Callable[[int, int], Awaitable[None]] | None = None) -> "asyncio.Future[Any]":
         """Queue ``call`` (its ``seq`` is the next sequence number) and return its future.
@@ -327,7 +326,7 @@ class Comm(Health, Retirement, ThreadsafeCalls, BlockedCollectives, ObjectCollec
         if timeout is not None:
             timeout = check_timeout(timeout, call.op)
         assert self._loop is not None  # _check_open ran
-        job = _Job(call, None, src, dst, result, finish, self._loop.create_future(),
+        job = Job(call, None, src, dst, result, finish, self._loop.create_future(),
                    prepare if later else None, algorithm, timeout, ready=ready)
         if not later:
             if prepare is not None:
@@ -339,12 +338,12 @@ class Comm(Health, Retirement, ThreadsafeCalls, BlockedCollectives, ObjectCollec
         self._enqueue(job)
         if self.size > 1:
             if later:
-                self._fps[call.seq] = 0  # known once prepared
+                self._health.fps[call.seq] = 0  # known once prepared
             else:
-                self._register(call.seq, call.fingerprint)
+                self._health.register(call.seq, call.fingerprint)
         return job.future
 
-    def _enqueue(self, job: _Job) -> None:
+    def _enqueue(self, job: Job) -> None:
         self._queue.append(job)
         if self._worker is None:
             self._worker = asyncio.get_running_loop().create_task(self._work(), name=f"ahcomm-comm-{self.rank}")
@@ -365,14 +364,15 @@ class Comm(Health, Retirement, ThreadsafeCalls, BlockedCollectives, ObjectCollec
 
     async def _work(self) -> None:
         loop = asyncio.get_running_loop()
+        health = self._health
         while True:
             while not self._queue:
                 self._wakeup = loop.create_future()
                 await self._wakeup
                 self._wakeup = None
             job = self._queue.popleft()
-            if self._error is not None:  # failing: the job gets the communicator's error (or its verdict)
-                self._job_failed(job, self._error)
+            if health.error is not None:  # failing: the job gets the communicator's error (or its verdict)
+                health.job_failed(job, health.error)
                 continue
             try:
                 await self._run(job)
@@ -382,13 +382,13 @@ class Comm(Health, Retirement, ThreadsafeCalls, BlockedCollectives, ObjectCollec
                     if not job.future.done():
                         job.future.cancel()
                     raise
-                self._job_failed(job, exc)
+                health.job_failed(job, exc)
             except BaseException as exc:  # noqa: BLE001 - delivered to the caller
-                self._job_failed(job, exc)
+                health.job_failed(job, exc)
             else:
                 seq = job.call.seq
                 self._done_seq = seq
-                self._fps.pop(seq, None)
+                health.fps.pop(seq, None)
                 entry = job.entry
                 if entry is not None:
                     entry.state, entry.ended = "done", time.monotonic()
@@ -397,7 +397,7 @@ class Comm(Health, Retirement, ThreadsafeCalls, BlockedCollectives, ObjectCollec
                         job.finish()
                     except Exception as exc:  # noqa: BLE001 - delivered to the caller
                         if entry is not None:
-                            self._mark(entry, exc)
+                            mark(entry, exc)
                         if not job.future.done():
                             job.future.set_exception(exc)
                         continue
@@ -405,19 +405,21 @@ class Comm(Health, Retirement, ThreadsafeCalls, BlockedCollectives, ObjectCollec
                     job.future.set_result(job.result)
             job.ready = None  # a device input's staging: not kept alive until the next collective
 
-    async def _run(self, job: _Job) -> None:
+    async def _run(self, job: Job) -> None:
         call = job.call
+        health = self._health
         if job.prepare is not None:
             job.prepare(job)
             job.algorithm = self._selector.choose(call, self.topology, job.override)
             call.algorithm = job.algorithm.name
             if self.size > 1:
-                self._register(call.seq, call.fingerprint)
-                if self._error is not None:  # its fingerprint differs from a peer's
-                    raise self._error
-        if self._peer_retired and call.seq in self._peer_retired and not self._peer_retired[call.seq][3]:
-            self._retired_elsewhere(call.seq)
-            raise self._error or CommClosedError(f"{call.op} #{call.seq} was rejected by a peer")
+                health.register(call.seq, call.fingerprint)
+                if health.error is not None:  # its fingerprint differs from a peer's
+                    raise health.error
+        retired = health.retired.peers
+        if retired and call.seq in retired and not retired[call.seq][3]:
+            health.retired.retired_elsewhere(call.seq)
+            raise health.error or CommClosedError(f"{call.op} #{call.seq} was rejected by a peer")
         assert job.algorithm is not None
         ufunc = None
         if call.redop is not None:  # checked when the call was made: remembered per (op, dtype)
@@ -429,36 +431,28 @@ class Comm(Health, Retirement, ThreadsafeCalls, BlockedCollectives, ObjectCollec
         entry = job.entry
         if entry is not None:
             entry.state, entry.started, entry.algorithm = "running", time.monotonic(), job.algorithm.name
-        if self._watchdog is None or job.timeout is not None:
-            self._arm(job, now)
+        watchdog = health.watchdog
+        if watchdog.timer is None or job.timeout is not None:
+            watchdog.arm(job, now)
         try:
             await self._executor.run(call, job.algorithm, job.src, job.dst, ufunc, ready=job.ready)
         finally:
             self._running = None
 
-    def _job_failed(self, job: _Job, exc: BaseException) -> None:
-        """A usage error (found before anything was sent: the call's checks, the algorithm's
-        resources) retires the call's sequence number (``_retire``: the communicator stays
-        usable if every rank rejected it, else fails everywhere); any other failure leaves peers
-        mid-protocol, so the communicator fails and they are told. While a diagnosis runs
-        (mismatch, timeout) the job waits for its verdict."""
-        call = job.call
-        self._fps.pop(call.seq, None)
-        if self._error is None:
-            if isinstance(exc, UsageError):  # a check (a few in the executor: resources) before any send
-                self._retire(job, exc)
-                return
-            self._fail(exc, tell=("failure", f"{call.op} #{call.seq} failed on {self._name(self.rank)}: "
-                                             f"{type(exc).__name__}: {exc}"))
-        elif self._final is None and not isinstance(exc, UsageError):
-            self._held.append(job)
-            return
-        elif self._final is not None and exc is not self._final and not isinstance(exc, UsageError):
-            exc = self._final  # the communicator's failure is what ended this job
-        if job.entry is not None and job.entry.state != "failed":
-            self._mark(job.entry, exc)
-        if not job.future.done():
-            job.future.set_exception(exc)
+    def _drain_queue(self) -> list[Job]:
+        """Take every queued job (the communicator failed: they will never run)."""
+        jobs = list(self._queue)
+        self._queue.clear()
+        return jobs
+
+    # -- diagnosis --------------------------------------------------------------------------
+    def status_line(self) -> str:
+        """One line: what this rank is doing (printed on SIGUSR1)."""
+        return self._health.status_line()
+
+    def flight_record(self) -> list[dict[str, Any]]:
+        """This rank's last collectives (op, seq, dtype, count, algorithm, state, timestamps)."""
+        return self._health.flight_record()
 
     # -- links ------------------------------------------------------------------------------
     def _p2p_links(self) -> dict[int, Link]:
@@ -490,8 +484,8 @@ class Comm(Health, Retirement, ThreadsafeCalls, BlockedCollectives, ObjectCollec
         if threading.get_ident() != self._thread and self._loop is not None:
             self._loop.call_soon_threadsafe(self.abort, reason)
             return
-        if self._final is None:
-            self._fail(CommClosedError(f"communicator (rank {self.rank}) {reason}"), tell=("abort", reason),
+        if self._health.final is None:
+            self._health.fail(CommClosedError(f"communicator (rank {self.rank}) {reason}"), tell=("abort", reason),
                        record=False)
 
     async def close(self) -> None:
@@ -502,41 +496,28 @@ class Comm(Health, Retirement, ThreadsafeCalls, BlockedCollectives, ObjectCollec
         for child in list(self._children):  # its links ride on ours
             await child.close()
         try:
-            if self._error is None and self.size > 1:
+            if self._health.error is None and self.size > 1:
                 await asyncio.wait_for(self.barrier(), timeout=min(self._exec_timeout, 30.0))
             elif self._queue:
                 await asyncio.gather(*(j.future for j in list(self._queue)), return_exceptions=True)
         except Exception:  # noqa: BLE001 - closing regardless
             pass
         self._closing = True
-        if self._diagnosis is not None and not self._diagnosis.done():
-            try:  # a verdict is on its way (bounded by REPLY_WAIT): let the pending calls have it
-                await asyncio.wait_for(asyncio.shield(self._diagnosis), _health.REPLY_WAIT * 3)
-            except BaseException:  # noqa: BLE001
-                pass
-        if self._final is None and self._error is not None:
-            self._fail(self._error, record=False)
+        await self._health.settle()  # a verdict on its way reaches the pending calls
         self._closed = True
         while self._queue:  # anything still queued will never run now
             job = self._queue.popleft()
             if not job.future.done():
                 job.future.set_exception(CommClosedError(f"communicator (rank {self.rank}) closed "
                                                          f"before {job.call.op} #{job.call.seq} ran"))
-        if self._watchdog is not None:
-            self._watchdog.cancel()
-            self._watchdog = None
-        for task in (self._worker, self._diagnosis):
-            if task is not None and not task.done():
-                task.cancel()
-                try:
-                    await task
-                except BaseException:  # noqa: BLE001
-                    pass
-        for fut in self._requests.values():
-            fut.cancel()
-        self._requests.clear()
-        self._early.clear()
-        self._fps.clear()
+        await self._health.close()
+        task = self._worker
+        if task is not None and not task.done():
+            task.cancel()
+            try:
+                await task
+            except BaseException:  # noqa: BLE001
+                pass
         if self._loop is not None:
             _flight.unwatch(self, self._loop)
         await self._executor.close()

@@ -42,7 +42,7 @@ from ._buffers import CclBuffers
 from ._errors import CollectiveTimeout, InvalidArgument, TransportError
 from .algorithms._executor import Progress
 from .algorithms.base import Topology
-from .transports.base import MAX_DOMAIN, DomainInUse, Link
+from .transports.base import MAX_DOMAIN, DomainInUse, Link, LinkEvents
 
 if TYPE_CHECKING:
     from ._comm import Comm
@@ -75,21 +75,7 @@ class _Hooks:
             self._install(link)
 
     def _install(self, link: Link) -> None:
-        control, lost = link.on_control, link.on_lost
-
-        def on_control(peer: int, payload: bytes) -> None:
-            if payload.startswith(_MAGIC):
-                self._message(peer, payload)
-            elif control is not None:
-                control(peer, payload)
-
-        def on_lost(peer: int, reason: str) -> None:
-            if lost is not None:
-                lost(peer, reason)
-            for session in list(self.sessions.values()):
-                session.wake()
-
-        link.on_control, link.on_lost = on_control, on_lost
+        link.attach(_ElasticEvents(self, link.events))
 
     def _message(self, peer: int, payload: bytes) -> None:
         try:
@@ -103,6 +89,38 @@ class _Hooks:
             session.wake()
         elif gen >= self.gen and len(self.early.get(gen, ())) < 4096:
             self.early.setdefault(gen, []).append((peer, msg))
+
+
+class _ElasticEvents:
+    """A link's events with the elastic messages taken out first: shrink's control messages go to
+    the sessions, a lost peer also wakes them; everything else reaches the communicator's own."""
+
+    def __init__(self, hooks: _Hooks, inner: LinkEvents | None) -> None:
+        self.hooks, self.inner = hooks, inner
+
+    def on_abort(self, peer: int, reason: str) -> None:
+        if self.inner is not None:
+            self.inner.on_abort(peer, reason)
+
+    def on_fingerprint(self, peer: int, seq: int, fp: int) -> None:
+        if self.inner is not None:
+            self.inner.on_fingerprint(peer, seq, fp)
+
+    def on_control(self, peer: int, payload: bytes) -> None:
+        if payload.startswith(_MAGIC):
+            self.hooks._message(peer, payload)
+        elif self.inner is not None:
+            self.inner.on_control(peer, payload)
+
+    def on_lost(self, peer: int, reason: str) -> None:
+        if self.inner is not None:
+            self.inner.on_lost(peer, reason)
+        for session in list(self.hooks.sessions.values()):
+            session.wake()
+
+    def on_broken(self, peer: int, reason: str) -> None:
+        if self.inner is not None:
+            self.inner.on_broken(peer, reason)
 
 
 _hooks: "weakref.WeakKeyDictionary[Comm, _Hooks]" = weakref.WeakKeyDictionary()

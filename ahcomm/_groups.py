@@ -22,20 +22,18 @@ says so in the last round, and the creation tries again with a fresh domain.
 
 from __future__ import annotations
 
+import asyncio
 import random
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, Protocol, TypeVar
 
 import numpy as np
 
 from ._buffers import CclBuffers
 from ._errors import InvalidArgument, TransportError, UsageError
-from .algorithms._executor import Progress
+from .algorithms._executor import Executor, Progress
 from .algorithms.base import Topology
 from .transports.base import MAX_DOMAIN, DomainInUse, Link
-
-if TYPE_CHECKING:
-    from ._comm import Comm
 
 SMALL_BUFFERS = 4096  # bytes of CCL_In/CCL_Out of a one-rank group (it never communicates)
 MIN_BUFFSIZE = 1024  # bytes of each CCL buffer of a group, at least (AHCOMM_BUFFSIZE's floor)
@@ -63,6 +61,34 @@ class Domains:
         self.next = max(self.next, number + 1)
 
 
+class Parent(Protocol):
+    """What making a sub-communicator uses of its parent (``Comm``): its ranks, its connections
+    (the executor's links and buffers), an object collective, and ``_derive``, the constructor
+    path of a communicator made from it."""
+
+    @property
+    def rank(self) -> int: ...
+    @property
+    def size(self) -> int: ...
+    @property
+    def world_ranks(self) -> tuple[int, ...]: ...
+    @property
+    def topology(self) -> Topology: ...
+    @property
+    def _executor(self) -> Executor: ...
+    @property
+    def _domains(self) -> Domains: ...
+
+    def _check_open(self) -> None: ...
+    def all_gather_object(self, obj: Any, *, timeout: float | None = None) -> asyncio.Future[list[Any]]: ...
+    def _derive(self: P, members: tuple[int, ...], *, rank: int, links: dict[int, Link], buffers: CclBuffers,
+                topo: Topology, progress: Progress, label: str,
+                on_close: Callable[[], Awaitable[None]] | None = None, child: bool = True) -> P: ...
+
+
+P = TypeVar("P", bound=Parent)
+
+
 def _check_color(color: Any, key: Any, rank: int) -> tuple[int | None, int]:
     if color is not None and (not isinstance(color, (int, np.integer)) or isinstance(color, bool) or color < 0):
         raise InvalidArgument(f"split: color {color!r} must be a non-negative int (or None: no group)")
@@ -88,7 +114,7 @@ def _check_ranks(ranks: Any, size: int) -> tuple[int, ...]:
     return members
 
 
-async def split(parent: "Comm", color: Any, key: Any = None, buffsize: int | None = None) -> "Comm | None":
+async def split(parent: P, color: Any, key: Any = None, buffsize: int | None = None) -> P | None:
     """The sub-communicator of the parent's ranks that gave the same ``color`` (ordered by
     ``key``, then parent rank); None where ``color`` is None."""
     parent._check_open()
@@ -100,7 +126,7 @@ async def split(parent: "Comm", color: Any, key: Any = None, buffsize: int | Non
     return await _create(parent, color, key, None, nbytes)
 
 
-async def new_group(parent: "Comm", ranks: Sequence[int], buffsize: int | None = None) -> "Comm | None":
+async def new_group(parent: P, ranks: Sequence[int], buffsize: int | None = None) -> P | None:
     """The sub-communicator of ``ranks`` (group rank i is ``ranks[i]``); None on other ranks.
     Every rank of the parent calls it with the same ``ranks``."""
     parent._check_open()
@@ -113,7 +139,7 @@ async def new_group(parent: "Comm", ranks: Sequence[int], buffsize: int | None =
     return await _create(parent, None if mine is None else 0, mine or 0, members, nbytes)
 
 
-def _check_buffsize(buffsize: Any, parent: "Comm") -> int:
+def _check_buffsize(buffsize: Any, parent: Parent) -> int:
     if buffsize is None:
         return parent._executor.buffers.nbytes
     if not isinstance(buffsize, (int, np.integer)) or isinstance(buffsize, bool) or buffsize < MIN_BUFFSIZE:
@@ -121,7 +147,7 @@ def _check_buffsize(buffsize: Any, parent: "Comm") -> int:
     return int(buffsize)
 
 
-def _make_buffers(parent: "Comm", group: tuple[int, ...], nbytes: int) -> CclBuffers:
+def _make_buffers(parent: Parent, group: tuple[int, ...], nbytes: int) -> CclBuffers:
     links = parent._executor.links
     if len(group) == 1:
         return CclBuffers.local(SMALL_BUFFERS)
@@ -130,8 +156,8 @@ def _make_buffers(parent: "Comm", group: tuple[int, ...], nbytes: int) -> CclBuf
     return CclBuffers.local(nbytes)
 
 
-async def _create(parent: "Comm", color: int | None, key: int, members: tuple[int, ...] | None,
-                  nbytes: int, problem: str | None = None) -> "Comm | None":
+async def _create(parent: P, color: int | None, key: int, members: tuple[int, ...] | None,
+                  nbytes: int, problem: str | None = None) -> P | None:
     """Three rounds of the parent's all_gather_object: the arguments (checked alike on every
     rank), then the domain and how to reach each member's buffers, then whether every rank
     opened its links (a domain already used on some connection - two creations from
@@ -173,7 +199,7 @@ async def _create(parent: "Comm", color: int | None, key: int, members: tuple[in
     return _comm(parent, group, rank, opened, buffers, progress, domain)
 
 
-async def _open(parent: "Comm", group: tuple[int, ...], rank: int, buffers: CclBuffers | None,
+async def _open(parent: Parent, group: tuple[int, ...], rank: int, buffers: CclBuffers | None,
                 about: dict[str, Any] | None, progress: Progress | None, spread: int,
                 broken: Exception | None = None) -> tuple[int, dict[int, Link] | None]:
     """One attempt: agree on a domain, open this rank's child links, and learn whether every
@@ -249,8 +275,8 @@ def _agree(rows: list[list[Any]], members: tuple[int, ...] | None) -> None:
                                   f"rank {p} gave {row[2] or 'split()'} (this rank: {mine})")
 
 
-def _comm(parent: "Comm", group: tuple[int, ...], rank: int, links: dict[int, Link], buffers: CclBuffers,
-          progress: Progress, domain: int) -> "Comm":
+def _comm(parent: P, group: tuple[int, ...], rank: int, links: dict[int, Link], buffers: CclBuffers,
+          progress: Progress, domain: int) -> P:
     topo = parent.topology
     kinds = tuple("self" if p == parent.rank else topo.link_kinds[p] for p in group)
     sub_topo = Topology(rank=rank, size=len(group), hosts=tuple(topo.hosts[p] for p in group), link_kinds=kinds,
@@ -261,14 +287,5 @@ def _comm(parent: "Comm", group: tuple[int, ...], rank: int, links: dict[int, Li
             link.close()
         buffers.close()
 
-    comm = type(parent)(rank=rank, size=len(group), links=links, buffers=buffers, topo=sub_topo, progress=progress,
-                        selector=parent._selector, exec_timeout=parent._exec_timeout, on_close=on_close)
-    comm.world_ranks = tuple(parent.world_ranks[p] for p in group)
-    comm.parent_ranks = group
-    comm._domains = parent._domains
-    comm._parent = parent
-    parent._children.append(comm)
-    tracer = comm._executor.tracer
-    if tracer is not None:
-        tracer.set_group(f"g{domain}")
-    return comm
+    return parent._derive(group, rank=rank, links=links, buffers=buffers, topo=sub_topo, progress=progress,
+                          label=f"g{domain}", on_close=on_close)

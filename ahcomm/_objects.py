@@ -7,24 +7,21 @@ is a check only its rank can make, so that rank still takes part: it sends the e
 place of the object (every payload starts with a flag byte), and every rank that receives
 it raises the same ``InvalidArgument`` naming the rank (gather_object: the root and the
 rank itself; the other ranks learn it from the length exchange). The job stays in step.
+(Its methods see the communicator as ``_core.CommCore``.)
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import msgpack
 import numpy as np
 
 from ._collectives import retrieved
+from ._core import FrontEnd, Gathered, Job
 from ._errors import InvalidArgument
 from .algorithms.base import Call
-
-if TYPE_CHECKING:
-    from ._collectives import Gathered
-    from ._comm import _Job
 
 _BYTES = np.dtype(np.uint8)
 _OK, _FAILED = 0, 1  # a payload's first byte: the object follows, or this rank's error (utf-8)
@@ -50,34 +47,8 @@ def _decode(data: np.ndarray, what: str, rank: int) -> Any:
     return msgpack.unpackb(raw[1:], raw=False, strict_map_key=False)
 
 
-class ObjectCollectives:
+class ObjectCollectives(FrontEnd):
     """broadcast_object, all_gather_object, gather_object."""
-
-    rank: int
-    size: int
-
-    if TYPE_CHECKING:
-        _seq: int
-
-        def _check_root(self, root: int, what: str) -> None: ...
-        def _check_open(self) -> None: ...
-        def _submit(self, call: Call, src: np.ndarray, dst: np.ndarray, result: Any,
-                    finish: Callable[[], None] | None, algorithm: str | None, *,
-                    prepare: Callable[[_Job], None] | None = None,
-                    later: bool = False, timeout: float | None = None) -> asyncio.Future[Any]: ...
-        def broadcast(self, x: Any, root: int = 0, *, out: np.ndarray | None = None, algorithm: str | None = None,
-                      timeout: float | None = None) -> asyncio.Future[np.ndarray]: ...
-        def all_gather(self, x: Any, *, out: np.ndarray | None = None, algorithm: str | None = None,
-                       timeout: float | None = None) -> asyncio.Future[np.ndarray]: ...
-        def _gather(self, arr: np.ndarray, root: int, rows: tuple[int, ...] | None, out: np.ndarray | None,
-                    algorithm: str | None, op: str, *, uneven: bool,
-                    later: Callable[[], tuple[int, ...]] | None = None,
-                    timeout: float | None = None) -> asyncio.Future[Any]: ...
-        def all_gather_v(self, x: Any, *, counts: Any = None, out: np.ndarray | None = None,
-                         algorithm: str | None = None, timeout: float | None = None) -> asyncio.Future[Gathered]: ...
-        def gather_v(self, x: Any, root: int = 0, *, counts: Any = None, out: np.ndarray | None = None,
-                     algorithm: str | None = None,
-                     timeout: float | None = None) -> asyncio.Future[Gathered | None]: ...
 
     def broadcast_object(self, obj: Any = None, root: int = 0, *,
                          timeout: float | None = None) -> "asyncio.Future[Any]":
@@ -89,7 +60,7 @@ class ObjectCollectives:
         length.add_done_callback(retrieved)
         call = Call(op="broadcast", seq=self._seq, dtype=_BYTES, count=0, root=int(root))
 
-        def prepare(job: _Job) -> None:
+        def prepare(job: Job) -> None:
             count = int(length.result()[0])
             job.call.count = count
             job.src = job.dst = job.result = payload if self.rank == root else np.empty(count, _BYTES)

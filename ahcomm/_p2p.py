@@ -7,6 +7,7 @@ it never waits for the matching recv to be posted, so any order of sends and rec
 deadlock-free (batch_send_recv just issues them all). A send completes when the peer
 holds the bytes; leave ``x`` alone until then. The metadata frame carries dtype and shape,
 so ``recv`` can build the array itself or check ``out`` against what was sent.
+(Its methods see the communicator as ``_core.CommCore``.)
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 import msgpack
 import numpy as np
 
+from ._core import FrontEnd
 from ._dtypes import SUPPORTED_DTYPES
 from ._errors import CollectiveMismatchError, CollectiveTimeout, InvalidArgument, InvalidDtype, check_timeout
 
@@ -46,18 +48,8 @@ def _retrieved(future: "asyncio.Future[Any]") -> None:
         future.exception()
 
 
-class PointToPoint:
+class PointToPoint(FrontEnd):
     """send / recv / batch_send_recv on a communicator's links."""
-
-    rank: int
-    size: int
-
-    if TYPE_CHECKING:
-        _exec_timeout: float
-
-        def _input(self, x: Any, what: str) -> tuple[np.ndarray, np.dtype]: ...
-        def _check_open(self) -> None: ...
-        def _p2p_links(self) -> dict[int, Link]: ...
 
     def _p2p_init(self) -> None:
         self._sent_count: defaultdict[tuple[int, int], int] = defaultdict(int)  # (peer, tag) -> messages sent

@@ -23,9 +23,6 @@ from typing import TYPE_CHECKING, Any, cast
 from . import _flight
 from ._errors import CommClosedError, UsageError, WrongLoopError
 
-if TYPE_CHECKING:
-    from ._comm import Comm
-
 
 def wrong_loop(comm: Any, loop: asyncio.AbstractEventLoop | None) -> str:
     """The message of ``WrongLoopError`` for ``comm`` called from ``loop`` in this thread."""
@@ -95,7 +92,7 @@ class ThreadsafeCalls:
     @property
     def sync(self) -> "SyncComm":
         """This communicator's blocking face for other threads: ``comm.sync.all_reduce(x)``."""
-        return SyncComm(self)  # type: ignore[arg-type]
+        return SyncComm(self)
 
     def _drain(self) -> None:
         """On the loop: issue what was handed over, in order (a coroutine holds the rest back)."""
@@ -128,7 +125,7 @@ class SyncComm:
     ``comm.sync.all_reduce(x)`` issues ``comm.all_reduce(x)`` on the communicator's loop and
     waits for the result. Attributes that are not methods (``rank``, ``size``) read through."""
 
-    def __init__(self, comm: "Comm") -> None:
+    def __init__(self, comm: ThreadsafeCalls) -> None:
         self._comm = comm
 
     def __getattr__(self, name: str) -> Any:

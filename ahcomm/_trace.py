@@ -27,20 +27,53 @@ from collections import deque
 from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
 from time import perf_counter_ns
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 
-if TYPE_CHECKING:
-    from ._comm import Comm
-    from ._stream import Stream, TaskFn
-    from .algorithms.base import Algorithm, Call
+from ._dtypes import ReduceOp
+
+TaskFn = Callable[[], "Awaitable[Any] | None"]  # a stream task (``_stream``)
+
+
+class Track(Protocol):
+    """What a span records of its stream (``_stream.Stream``)."""
+
+    @property
+    def name(self) -> str: ...
+
+
+class Named(Protocol):
+    """What a collective's span records of its algorithm (``algorithms.base.Algorithm``)."""
+
+    @property
+    def name(self) -> str: ...
+
+
+class CallFacts(Protocol):
+    """What a collective's span records of its call (``algorithms.base.Call``)."""
+
+    @property
+    def op(self) -> str: ...
+    @property
+    def seq(self) -> int: ...
+    @property
+    def dtype(self) -> np.dtype: ...
+    @property
+    def count(self) -> int: ...
+    @property
+    def itemsize(self) -> int: ...
+    @property
+    def redop(self) -> ReduceOp | None: ...
+    @property
+    def root(self) -> int: ...
+    @property
+    def counts(self) -> tuple[int, ...] | None: ...
+    @property
+    def group(self) -> str: ...
 
 ENV = "AHCOMM_TRACE"
 MAX_SPANS = 300_000  # spans kept per communicator (~235 B each): the latest; older ones count as dropped
-PING_TAG = 0xFFFF  # point-to-point tag of the clock ping-pongs at init
-PINGS = 8  # ping-pongs per rank; the one with the smallest round trip counts
-PING_TIMEOUT = 10.0  # seconds: a rank without tracing never answers
 COLLECTIVES = "collectives"  # the track of collective spans
 log = logging.getLogger("ahcomm.trace")
 
@@ -167,7 +200,7 @@ class _Collective:
     __slots__ = ("algorithm", "call", "end", "error", "start")
     track = COLLECTIVES
 
-    def __init__(self, call: Call, algorithm: str, start: int, end: int, error: str | None) -> None:
+    def __init__(self, call: CallFacts, algorithm: str, start: int, end: int, error: str | None) -> None:
         self.call, self.algorithm, self.start, self.end, self.error = call, algorithm, start, end, error
 
     def event(self, origin: int, pid: int, tid: int) -> str:
@@ -219,12 +252,12 @@ class Tracer:
         return None if directory is None else cls(directory, rank, size)
 
     # -- recording ----------------------------------------------------------------------------------
-    def task(self, stream: Stream, kind: str, fn: TaskFn, *, nbytes: int = -1, peer: int = -1,
+    def task(self, stream: Track, kind: str, fn: TaskFn, *, nbytes: int = -1, peer: int = -1,
              detail: object = None, index: int = 0, seq: int = -1) -> TaskFn:
         """``fn`` wrapped so that its span on ``stream``'s track is recorded when it completes."""
         return _Task(self, stream.name, kind, fn, nbytes, peer, detail, index, seq)
 
-    def submitter(self, stream: Stream, submit: Callable[[TaskFn], None]) -> Callable[[TaskFn], None]:
+    def submitter(self, stream: Track, submit: Callable[[TaskFn], None]) -> Callable[[TaskFn], None]:
         """``stream.submit`` that also records tasks submitted without a kind (as ``task``)."""
         def traced_submit(fn: TaskFn) -> None:
             if type(fn) is not _Task:
@@ -234,7 +267,7 @@ class Tracer:
 
     def runner(self, run: Callable[..., Awaitable[None]]) -> Callable[..., Awaitable[None]]:
         """``Executor.run(call, algorithm, ...)`` wrapped to record each collective's span."""
-        async def traced_run(call: Call, algorithm: Algorithm, *args: Any, **kwargs: Any) -> None:
+        async def traced_run(call: CallFacts, algorithm: Named, *args: Any, **kwargs: Any) -> None:
             start = perf_counter_ns()
             error: BaseException | None = None
             try:
@@ -253,7 +286,7 @@ class Tracer:
         _names.discard(self.path.name)
         self.path = self.directory / _file_name(self.rank, self.size, group)
 
-    def collective(self, call: Call, algorithm: str, start: int, end: int, error: BaseException | None) -> None:
+    def collective(self, call: CallFacts, algorithm: str, start: int, end: int, error: BaseException | None) -> None:
         if call.group:
             self.group = call.group
         reason = None if error is None else f"{type(error).__name__}: {error}"
@@ -343,62 +376,7 @@ def _short(qualname: str) -> str:
     return ".".join(parts[-2:]) or qualname
 
 
-# -- clock offsets ---------------------------------------------------------------------------------
-def tracer_of(comm: Comm) -> Tracer | None:
-    """The communicator's tracer (None when tracing is off)."""
-    executor = getattr(comm, "_executor", None)
-    return getattr(executor, "tracer", None)
-
-
-async def estimate_offsets(comm: Comm) -> None:
-    """Estimate this rank's clock offset to rank 0's (NTP-style) for the trace files.
-
-    Each rank sends rank 0 ``PINGS`` pings over point-to-point messages (tag ``PING_TAG``;
-    they take no sequence number); rank 0 answers each with its clock. The sample with the
-    smallest round trip gives offset = (t_send + t_back) / 2 - t_rank0 (within half that round
-    trip of the truth). Rank 0 serves the ranks one after another, then releases them all
-    together (so the first collective does not wait for the last rank served). A rank on rank 0's host
-    shares its monotonic clock: its offset is 0, and the estimate is only recorded. init()
-    calls it only when every rank traces (agreed in its first collective); a rank that stops
-    answering makes the others give up after ``PING_TIMEOUT`` seconds, offset unknown.
-    """
+def set_process_offset(offset: int) -> None:
+    """This process's clock minus rank 0's (``_clock`` measures it at init): the default of every tracer."""
     global _process_offset
-    tracer = tracer_of(comm)
-    if tracer is None:
-        return
-    offset, rtt = 0, 0
-    try:
-        if comm.rank == 0:
-            for peer in range(1, comm.size):
-                for _ in range(PINGS):
-                    await comm.recv(peer, tag=PING_TAG, timeout=PING_TIMEOUT)
-                    await comm.send(np.array([perf_counter_ns()], np.int64), peer, tag=PING_TAG)
-            for peer in range(1, comm.size):  # all served: every rank leaves init at about the same time
-                await comm.send(np.zeros(1, np.int64), peer, tag=PING_TAG)
-        else:
-            offset, rtt = await _ping(comm)
-            await comm.recv(0, tag=PING_TAG, timeout=PING_TIMEOUT * comm.size)
-    except Exception as exc:  # noqa: BLE001 - tracing must not break init
-        log.warning("ahcomm: rank %d: clock offset to rank 0 unknown (is AHCOMM_TRACE set on every rank?): %s",
-                    comm.rank, exc)
-        return
-    tracer.estimate, tracer.rtt = offset, rtt
-    if comm.topology.hosts[comm.rank] == comm.topology.hosts[0]:
-        offset = 0  # one host, one kernel: the very same monotonic clock
-    tracer.offset = _process_offset = offset
-
-
-async def _ping(comm: Comm) -> tuple[int, int]:
-    """(offset, round trip) of the fastest of ``PINGS`` ping-pongs with rank 0, in ns."""
-    best: tuple[int, int] | None = None
-    for _ in range(PINGS):
-        t0 = perf_counter_ns()
-        sent = comm.send(np.array([t0], np.int64), 0, tag=PING_TAG)
-        reply = await comm.recv(0, tag=PING_TAG, timeout=PING_TIMEOUT)
-        t3 = perf_counter_ns()
-        await sent
-        sample = ((t0 + t3) // 2 - int(reply[0]), t3 - t0)
-        if best is None or sample[1] < best[1]:
-            best = sample
-    assert best is not None
-    return best
+    _process_offset = offset

@@ -33,7 +33,7 @@ import numpy as np
 
 from ahcomm._bootstrap import create_inprocess
 from ahcomm._collectives import flat_view
-from ahcomm._comm import _Job
+from ahcomm._core import Job
 from ahcomm._dtypes import ReduceOp, check_reduce, ufunc_for
 from ahcomm.algorithms.base import Call
 
@@ -63,7 +63,7 @@ async def stage_fn(name: str) -> tuple[Callable[[], Any], bool]:
         return (lambda: c0._selector.choose(call, c0.topology)), False
     if name == "queue":
         async def queue() -> None:
-            job = _Job(call, algo, x0, x0, x0, None, loop.create_future())
+            job = Job(call, algo, x0, x0, x0, None, loop.create_future())
             c0._queue.append(job)
             fut = loop.create_future()
             loop.call_soon(fut.set_result, None)  # the worker's wake-up: one loop turn
@@ -91,7 +91,7 @@ async def stage_fn(name: str) -> tuple[Callable[[], Any], bool]:
         entry = c0._flight.issue(call, None)
         async def finish() -> None:
             fut = loop.create_future()
-            c0._fps.pop(0, None)
+            c0._health.fps.pop(0, None)
             entry.state, entry.ended = "done", time.monotonic()
             fut.set_result(x0)
             await fut

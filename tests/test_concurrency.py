@@ -120,7 +120,7 @@ async def test_cancel_before_the_collective_starts() -> None:
     assert np.all(later[2] == 21) and np.all(outs[0] == 21)  # the cancelled one ran and wrote its out
     for g in later[3:]:
         np.testing.assert_array_equal(g, [0, 0, 0, 1, 1, 1])
-    assert all(c._error is None for c in comms)
+    assert all(c._health.error is None for c in comms)
     await asyncio.gather(*(c.close() for c in comms))
 
 
@@ -174,7 +174,7 @@ async def test_cancel_through_wait_for_and_of_object_collectives() -> None:
     got = await asyncio.wait_for(asyncio.gather(*peer), 30)
     assert np.all(got[0] == 2) and got[1] == {"big": "x" * 100_000}
     after = await asyncio.wait_for(asyncio.gather(*(c.all_reduce(np.full(5, c.rank + 1)) for c in comms)), 10)
-    assert all(np.all(a == 3) for a in after) and all(c._error is None for c in comms)
+    assert all(np.all(a == 3) for a in after) and all(c._health.error is None for c in comms)
     await asyncio.gather(*(c.close() for c in comms))
 
 

@@ -13,6 +13,7 @@ import pytest
 import ahcomm
 from ahcomm.transports import inproc
 
+from support.events import Events
 from support.inproc import links_of
 
 
@@ -102,12 +103,11 @@ async def test_close_while_a_mismatch_is_being_diagnosed_delivers_the_verdict(mo
     monkeypatch.setenv("AHCOMM_FLIGHT_DIR", str(tmp_path))
     comms = await ahcomm.init_inprocess(2, buffsize=1 << 20)
     for link in links_of(comms[1]).values():
-        link.on_fingerprint = None
-        link.on_control = lambda peer, payload: None  # deaf and mute
+        link.attach(Events(link.events, on_fingerprint=None, on_control=None))  # deaf and mute
     mine = comms[0].all_reduce(np.ones(8, np.float32))
     comms[1].all_reduce(np.ones(4, np.float32))
     await asyncio.sleep(0.05)
-    assert comms[0]._error is not None and comms[0]._final is None  # diagnosing
+    assert comms[0]._health.error is not None and comms[0]._health.final is None  # diagnosing
     t0 = time.perf_counter()
     await asyncio.wait_for(comms[0].close(), 5)
     assert time.perf_counter() - t0 < 2
@@ -128,14 +128,13 @@ async def test_abort_during_a_diagnosis_wins_and_garbage_control_messages_are_ig
     for payload in (b"", b"AHc1", b"AHc1\xc1", b"AHc1" + b"\x92\x01\x02", b"other layer", b"AHc1\x81\xa1t\xa3st?",
                     b"AHc1\x82\xa1t\xa2fp\xa3seq\xa1x"):
         links_of(comms[0])[1].send_control(payload)  # arrives at rank 1
-    assert comms[1]._error is None
+    assert comms[1]._health.error is None
     for link in links_of(comms[1]).values():
-        link.on_fingerprint = None
-        link.on_control = lambda peer, payload: None
+        link.attach(Events(link.events, on_fingerprint=None, on_control=None))
     mine = comms[0].all_reduce(np.ones(8, np.float32))
     comms[1].all_reduce(np.ones(4, np.float32))
     await asyncio.sleep(0.05)
-    assert comms[0]._final is None and comms[0]._error is not None
+    assert comms[0]._health.final is None and comms[0]._health.error is not None
     comms[0].abort("operator stop")
     with pytest.raises(ahcomm.CommClosedError, match=r"communicator \(rank 0\) operator stop"):
         await asyncio.wait_for(mine, 1)

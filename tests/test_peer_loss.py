@@ -27,6 +27,7 @@ from ahcomm.transports.base import Signal
 from ahcomm.transports.rdma import RdmaLink
 
 from jobs import run_job
+from support.events import Events
 
 SECRET = "peer-loss-test-secret-0123456789"
 DETECT_LIMIT = 5.0  # seconds from a peer's death to the survivors' PeerFailure
@@ -66,7 +67,7 @@ def _die(ch: Channel) -> None:
 
 def _record(link: RdmaLink) -> list[tuple[int, str, float]]:
     seen: list[tuple[int, str, float]] = []
-    link.on_lost = lambda peer, reason: seen.append((peer, reason, time.monotonic()))
+    link.attach(Events(link.events, on_lost=lambda peer, reason: seen.append((peer, reason, time.monotonic()))))
     return seen
 
 

@@ -21,11 +21,12 @@ import numpy as np
 import pytest
 
 import ahcomm
-from ahcomm import _buffers, _health
+from ahcomm import _buffers, _health, _watchdog
 from ahcomm._collectives import Gathered
 from ahcomm.transports.base import Link
 
 from jobs import job_argv, job_env, run_job
+from support.events import Events
 from support.inproc import links_of
 
 HERE = Path(__file__).parent
@@ -131,7 +132,7 @@ async def test_mismatch_found_when_the_late_rank_issues_its_call() -> None:
     for comm, res in zip(comms, got):
         assert "all_gather #0 mismatch: rank 0 called all_gather(float32, count=8), rank 1 called " \
                "all_gather(float64, count=8)" in str(mismatch_of(comm, res))
-    assert comms[1]._early == {}
+    assert comms[1]._health.early == {}
     await close_all(comms)
 
 
@@ -156,7 +157,7 @@ async def test_calls_whose_signals_never_carry_a_fingerprint_are_caught_by_the_a
         deliver(self, signal, index, seq, value, 0)
 
     monkeypatch.setattr(Link, "deliver", no_fingerprint)
-    monkeypatch.setattr(_health, "PROBE_AFTER", 0.1)
+    monkeypatch.setattr(_watchdog, "PROBE_AFTER", 0.1)
     comms = await ahcomm.init_inprocess(2, buffsize=MIB)
     for c in comms:
         c._exec_timeout = 20
@@ -178,16 +179,14 @@ async def test_the_fingerprint_is_given_when_the_peer_does_not_describe_its_call
         monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(_health, "REPLY_WAIT", 0.2)
     comms = await ahcomm.init_inprocess(2, buffsize=MIB)
-    for link in links_of(comms[1]).values():
-        link.on_fingerprint = None  # rank 1 does not check...
-    answer = comms[1]._on_control
+    answer = comms[1]._health.on_control
 
     def mute(peer: int, payload: bytes) -> None:  # ... and does not describe its calls
         if b"desc?" not in payload:
             answer(peer, payload)
 
-    for link in links_of(comms[1]).values():
-        link.on_control = mute
+    for link in links_of(comms[1]).values():  # rank 1 does not check fingerprints, nor describe its calls
+        link.attach(Events(link.events, on_fingerprint=None, on_control=mute))
     got = await outcomes([comms[0].all_reduce(np.ones(8, F32)), comms[1].all_reduce(np.ones(9, F32))])
     fp = comms[1]._flight.find(0).call.fingerprint  # type: ignore[union-attr]
     for comm, res in zip(comms, got):
@@ -222,7 +221,7 @@ async def test_legitimate_per_rank_differences_are_not_a_mismatch() -> None:
     comms = await ahcomm.init_inprocess(n, buffsize=MIB)
     results = await asyncio.wait_for(asyncio.gather(*(body(c) for c in comms)), 30)
     for c, res in zip(comms, results):
-        assert c._error is None and c._early == {} and c._fps == {}
+        assert c._health.error is None and c._health.early == {} and c._health.fps == {}
         assert isinstance(res[1], Gathered) and res[1].counts == (1, 2, 3)
         assert np.all(res[5] == 1) and res[8] == "hello" * 2
         assert res[6] == [{"rank": p, "blob": "x" * (100 * p)} for p in range(n)]
@@ -269,7 +268,7 @@ async def test_timeout_names_a_rank_that_does_not_answer(monkeypatch: pytest.Mon
     comms = await ahcomm.init_inprocess(3, buffsize=MIB)
     comms[0]._exec_timeout = 0.3  # AHCOMM_EXEC_TIMEOUT
     for link in links_of(comms[2]).values():
-        link.on_control = lambda peer, payload: None
+        link.attach(Events(link.events, on_control=None))
     got = await outcomes([comms[0].all_gather(np.ones(4)), comms[1].all_gather(np.ones(4))])
     err = got[0]
     assert isinstance(err, ahcomm.CollectiveTimeout), repr(err)
@@ -358,7 +357,7 @@ async def test_a_peer_lost_while_idle_and_reported_from_another_thread() -> None
     thread.join()
     for _ in range(50):
         await asyncio.sleep(0.01)
-        if comms[1]._error is not None:
+        if comms[1]._health.error is not None:
             break
     with pytest.raises(ahcomm.CommClosedError, match=r"rank 0 was lost \(heartbeats stopped\) while idle "
                                                       r"\(last collective: #0\)"):

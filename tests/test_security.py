@@ -39,6 +39,7 @@ from ahcomm.transports.base import Signal
 from ahcomm.transports.rdma import RdmaLink
 
 from jobs import run_job
+from support.events import Events
 from support.inproc import links_of
 
 SECRET = "test-secret-" + "0123456789abcdef" * 2
@@ -408,7 +409,8 @@ MALFORMED = {
 async def test_a_malformed_message_from_a_peer_fails_only_its_link(case: str) -> None:
     ch, link1, link2, as1, as2 = await _channel_with_peer()
     broken: list[tuple[int, str]] = []  # the communicator's hook: it fails the communicator on every rank
-    link1.on_broken = link2.on_broken = lambda peer, reason: broken.append((peer, reason))
+    for link in (link1, link2):
+        link.attach(Events(on_broken=lambda peer, reason: broken.append((peer, reason))))
     waiter = asyncio.ensure_future(link1.wait(Signal.DATA, 0, 0))
     as1.send_multipart(MALFORMED[case])
     with pytest.raises(TransportError, match="rejected a message from rank 1") as info:

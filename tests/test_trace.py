@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import ahcomm
-from ahcomm import _trace
+from ahcomm import _clock, _trace
 from ahcomm.algorithms import names
 from ahcomm.trace import merge, rank_files, summary
 
@@ -103,9 +103,9 @@ def test_four_real_ranks_merge_onto_one_clock(tmp_path: Path) -> None:
 async def test_in_process_one_file_per_communicator(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("AHCOMM_TRACE", str(tmp_path))
     comms = await ahcomm.init_inprocess(4, buffsize=1 << 16)
-    assert all(_trace.tracer_of(c) is not None for c in comms)
-    await asyncio.gather(*(_trace.estimate_offsets(c) for c in comms))  # the init-time protocol, in process
-    assert [_trace.tracer_of(c).offset for c in comms] == [0, 0, 0, 0]  # type: ignore[union-attr]
+    assert all(_clock.tracer_of(c) is not None for c in comms)
+    await asyncio.gather(*(_clock.estimate_offsets(c) for c in comms))  # the init-time protocol, in process
+    assert [_clock.tracer_of(c).offset for c in comms] == [0, 0, 0, 0]  # type: ignore[union-attr]
     x = np.arange(5000, dtype=np.float32)
     await asyncio.gather(*(c.all_reduce(x) for c in comms))
     await asyncio.gather(*(c.all_gather(x[:10]) for c in comms))
@@ -142,7 +142,7 @@ async def test_tracing_off_makes_no_tracer_and_no_file(tmp_path: Path, monkeypat
     monkeypatch.setattr(_trace._Task, "__init__", forbidden)
     comms = await ahcomm.init_inprocess(3, buffsize=1 << 16)
     for c in comms:
-        assert _trace.tracer_of(c) is None and "run" not in vars(c._executor)
+        assert _clock.tracer_of(c) is None and "run" not in vars(c._executor)
         assert c._executor.main.tracer is None and "submit" not in vars(c._executor.main)
     x = np.ones(20000, np.float32)
     for algo in ("ring", "mesh", "star"):

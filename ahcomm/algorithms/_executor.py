@@ -19,7 +19,7 @@ import numpy as np
 from .._buffers import CclBuffers
 from .._stream import Stream
 from .._trace import Tracer
-from ..transports.base import AbortHook, ControlHook, FingerprintHook, Link
+from ..transports.base import Link, LinkEvents
 from ..transports.mailbox import Mailbox
 from .base import ALIGN, WHOLE, Algorithm, Call, Context, Resources, Topology
 
@@ -215,17 +215,11 @@ class Executor:
         self._halves = []  # drop our views of the CCL buffers so they can be unmapped
         self.mailbox = None  # and of the host's mailboxes
 
-    def set_hooks(self, *, on_abort: AbortHook, on_fingerprint: FingerprintHook, on_control: ControlHook,
-                  on_lost: AbortHook, on_broken: AbortHook | None = None) -> None:
-        """The communicator's handlers on every link: a peer aborted, the fingerprint of a peer's
-        call (every delivered signal carries one), a control message, a peer lost, a peer that
-        sent a malformed message."""
+    def attach(self, events: LinkEvents) -> None:
+        """The communicator's ``events`` (a peer aborted, lost or out of protocol; a fingerprint
+        or a control message arrived) on every link."""
         for link in self.links.values():
-            link.on_abort = on_abort
-            link.on_fingerprint = on_fingerprint
-            link.on_control = on_control
-            link.on_lost = on_lost
-            link.on_broken = on_broken
+            link.attach(events)
 
     def send_control(self, peer: int, payload: bytes) -> bool:
         """Send a small control message to ``peer`` (best effort: False if it could not be sent)."""

@@ -31,7 +31,7 @@ import numpy as np
 
 from .._notify import Notify
 from .._stream import Stream, TaskFn
-from ..transports.base import Link, Signal
+from ..transports.base import DataLink, Signal
 from ..transports.mailbox import Mailbox
 from .call import WHOLE, Call, Resources, Topology
 from .cost import CostModel, Work, call_bytes
@@ -44,7 +44,7 @@ __all__ = ["ALIGN", "WHOLE", "Algorithm", "Call", "Context", "OpRun", "Registry"
 class Context:
     """Everything ``orchestrate`` touches for one run (one slice of one collective)."""
 
-    def __init__(self, *, call: Call, topo: Topology, links: dict[int, Link], src: np.ndarray,
+    def __init__(self, *, call: Call, topo: Topology, links: Mapping[int, DataLink], src: np.ndarray,
                  dst: np.ndarray, ccl_in: np.ndarray, ccl_out: np.ndarray, half_offset: int, main: Stream,
                  subs: Sequence[Stream], ufunc: np.ufunc | None, final: bool = True,
                  scratch: Callable[[int], np.ndarray] | None = None, mailbox: Mailbox | None = None) -> None:

@@ -179,6 +179,4 @@ def _poke(flag: Notify, box: Mailbox) -> None:
 def _differs(ctx: Context, peer: int, seq: int, fp: int) -> None:
     """``peer`` published another call: the communicator's fingerprint check (the link's hook)
     fails the communicator, which fails this run's wake-up notify with the verdict."""
-    hook = ctx.links[peer].on_fingerprint
-    if hook is not None:
-        hook(peer, seq, fp)
+    ctx.links[peer].check_fingerprint(seq, fp)

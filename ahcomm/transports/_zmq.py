@@ -245,7 +245,7 @@ class Channel:
             try:  # the communicator fails on every rank: waiting on other links would hang
                 link.peer_broke_protocol(str(error))
             except Exception:
-                log.exception("rank %d: on_broken hook failed for rank %d", self.rank, link.peer)
+                log.exception("rank %d: the on_broken event failed for rank %d", self.rank, link.peer)
 
     def close(self) -> None:
         """Say goodbye on every link, then release the sockets (no loss is reported from now on)."""
@@ -358,7 +358,7 @@ class ZmqLink(Link):
         try:
             self.peer_lost(reason)
         except Exception:
-            log.exception("rank %d: on_lost hook failed for rank %d", self.rank, self.peer)
+            log.exception("rank %d: the on_lost event failed for rank %d", self.rank, self.peer)
         self.fail(PeerFailure(f"rank {self.peer} is lost: {reason} (noticed by rank {self.rank})", rank=self.peer))
 
     def _peer_said_goodbye(self) -> None:

@@ -17,8 +17,19 @@ and, on RDMA-like links, DataAck) and gives access to the peer's CCL buffers:
   (send/recv), outside the collectives' buffers: a message is matched by its key
   (user tag, per-pair sequence number), whether it arrives before or after it is asked for.
 
-Concrete transports (``inproc``, ``sdma``, ``rdma``) implement this; algorithms only ever
-see ``Link``.
+The contract has three faces (Gloo's ``transport::Pair`` is the model of the first):
+
+* ``DataLink``: the data plane above - notify/wait/post/value, put/remote/read/flush and
+  what the link can do (``mapped``, ``single_copy``). Algorithms see only this.
+* ``Connection``: the connection itself - control messages, progress and abort notices,
+  point-to-point messages, child links for sub-communicators, stats, failure and close.
+  The communicator and the executor use it.
+* ``LinkEvents``: what a link tells the communicator (a peer aborted, lost, broke the
+  protocol; a fingerprint or a control message arrived), one object given with ``attach``.
+
+``Link`` is the base class of the concrete transports (``inproc``, ``sdma``, ``rdma``): it
+implements both faces (a new transport writes ``post``, ``put``, ``send_control``,
+``send_progress``, ``send_abort`` and ``send_message``; the rest has defaults).
 """
 
 from __future__ import annotations
@@ -27,7 +38,7 @@ import asyncio
 import enum
 from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable
-from typing import Any, ClassVar, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import numpy as np
 
@@ -55,9 +66,22 @@ class MemoryRunner(Protocol):
 
 
 ProgressHook = Callable[[int, int], None]  # (peer, seq of the peer's latest message)
-AbortHook = Callable[[int, str], None]  # (peer, reason)
-FingerprintHook = Callable[[int, int, int], None]  # (peer, seq, fingerprint of the peer's call)
-ControlHook = Callable[[int, bytes], None]  # (peer, payload)
+
+
+class LinkEvents(Protocol):
+    """What links tell the communicator above them (``Link.attach``). Each is called with the
+    peer's rank; ``on_lost`` may come from a transport's thread, the others on the event loop."""
+
+    def on_abort(self, peer: int, reason: str) -> None:
+        """The peer aborted its communicator."""
+    def on_fingerprint(self, peer: int, seq: int, fp: int) -> None:
+        """A signal of the peer's call ``seq`` carried that call's fingerprint (the hot path)."""
+    def on_control(self, peer: int, payload: bytes) -> None:
+        """The peer sent a control message."""
+    def on_lost(self, peer: int, reason: str) -> None:
+        """The peer is gone (its socket closed, its heartbeats stopped)."""
+    def on_broken(self, peer: int, reason: str) -> None:
+        """The peer sent a message this link cannot accept: it no longer follows the protocol."""
 MAX_CONTROL = 64 * 1024  # bytes of one control message
 MAX_DOMAIN = 0xFFFF  # the largest domain number of a sub-communicator's links (``Link.child``)
 MessageKey = tuple[int, int]  # (user tag, per-pair sequence number) of a point-to-point message
@@ -75,8 +99,53 @@ class Endpoint(Protocol):
         ...
 
 
+class DataLink(Protocol):
+    """The data plane of a link to ``peer``: all an algorithm may use (``algorithms.base.Context``)."""
+
+    @property
+    def peer(self) -> int: ...
+    @property
+    def mapped(self) -> bool: ...  # remote() works
+    @property
+    def single_copy(self) -> bool: ...  # read() works
+
+    def notify(self, signal: int, index: int, seq: int) -> Notify: ...
+    async def wait(self, signal: int, index: int, seq: int) -> None: ...
+    def post(self, signal: int, index: int, seq: int, value: int = 0, fingerprint: int = 0) -> None: ...
+    def value(self, signal: int, index: int, seq: int) -> int: ...
+    def put(self, src: np.ndarray, buf: str, offset: int, seq: int, run: MemoryRunner) -> Awaitable[Any] | None: ...
+    def remote(self, buf: str) -> np.ndarray: ...
+    def read(self, dst: np.ndarray, addr: int, run: MemoryRunner) -> Awaitable[Any] | None: ...
+    async def flush(self) -> None: ...
+    def check_fingerprint(self, seq: int, fingerprint: int) -> None: ...
+
+
+class Connection(Protocol):
+    """The connection-level face of a link: what the communicator and the executor use."""
+
+    @property
+    def peer(self) -> int: ...
+    @property
+    def mapped(self) -> bool: ...
+
+    def attach(self, events: LinkEvents | None) -> None: ...
+    def send_control(self, payload: bytes) -> None: ...
+    def send_progress(self, seq: int) -> None: ...
+    def send_abort(self, reason: str) -> None: ...
+    def send_message(self, key: MessageKey, meta: bytes, data: np.ndarray) -> Awaitable[None] | None: ...
+    def message(self, key: MessageKey) -> asyncio.Future[Message]: ...
+    def describe_buffers(self, buffers: CclBuffers) -> dict[str, Any]: ...
+    def child(self, domain: int, rank: int, peer: int, buffers: CclBuffers, peer_buffers: dict[str, Any],
+              on_progress: ProgressHook | None) -> Link: ...
+    def receiver(self) -> Endpoint | None: ...
+    def stats(self) -> dict[str, Any]: ...
+    def fail(self, error: BaseException) -> None: ...
+    def close(self) -> None: ...
+
+
 class Link(ABC):
-    """One direction-agnostic connection between this rank and ``peer``."""
+    """One direction-agnostic connection between this rank and ``peer`` (both ``DataLink`` and
+    ``Connection``; the communicator's ``LinkEvents`` are attached with ``attach``)."""
 
     kind: ClassVar[str] = "abstract"
     mapped: ClassVar[bool] = False
@@ -89,11 +158,7 @@ class Link(ABC):
         self._values: dict[tuple[int, int, int], int] = {}
         self._on_progress = on_progress
         self._error: BaseException | None = None
-        self.on_abort: AbortHook | None = None  # set by the communicator
-        self.on_fingerprint: FingerprintHook | None = None  # set by the communicator
-        self.on_control: ControlHook | None = None  # set by the communicator
-        self.on_lost: AbortHook | None = None  # set by the communicator: the peer died or went silent
-        self.on_broken: AbortHook | None = None  # set by the communicator: the peer broke the link protocol
+        self.events: LinkEvents | None = None  # the communicator's (``attach``)
         self.bytes_sent = 0
         self.bytes_received = 0
         self.signals_sent = 0
@@ -101,6 +166,10 @@ class Link(ABC):
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.rank}->{self.peer}>"
+
+    def attach(self, events: LinkEvents | None) -> None:
+        """Tell ``events`` what happens on this link from now on (None: nobody)."""
+        self.events = events
 
     # -- notifies -------------------------------------------------------------------------
     def notify(self, signal: int, index: int, seq: int) -> Notify:
@@ -117,13 +186,21 @@ class Link(ABC):
         """Called by the transport when the peer posted ``signal`` (carrying ``value``) on us.
 
         ``fingerprint`` (nonzero) summarises the peer's call ``seq``; the communicator's
-        ``on_fingerprint`` hook compares it with its own before the flag is set.
+        ``on_fingerprint`` compares it with its own before the flag is set.
         """
-        if fingerprint and self.on_fingerprint is not None:
-            self.on_fingerprint(self.peer, seq, fingerprint)
+        events = self.events
+        if fingerprint and events is not None:
+            events.on_fingerprint(self.peer, seq, fingerprint)
         self._values[(int(signal), index, seq & 1)] = value
         self.notify(signal, index, seq).post()
         self.progress(seq)
+
+    def check_fingerprint(self, seq: int, fingerprint: int) -> None:
+        """The fingerprint of the peer's call ``seq`` arrived another way (a mailbox): have
+        the communicator check it, as if a signal of this link had carried it."""
+        events = self.events
+        if events is not None:
+            events.on_fingerprint(self.peer, seq, fingerprint)
 
     def value(self, signal: int, index: int, seq: int) -> int:
         """The value carried by the last post of (signal, index) for ``seq``'s parity."""
@@ -144,12 +221,12 @@ class Link(ABC):
     @abstractmethod
     def send_control(self, payload: bytes) -> None:
         """Send a small control message (at most ``MAX_CONTROL`` bytes) to the peer's
-        ``on_control`` hook: status queries, call descriptions, heartbeats of the layers above."""
+        ``LinkEvents.on_control``: status queries, call descriptions, heartbeats of the layers above."""
 
     def control(self, payload: bytes) -> None:
         """Called by the transport when the peer sent a control message."""
-        if self.on_control is not None:
-            self.on_control(self.peer, payload)
+        if self.events is not None:
+            self.events.on_control(self.peer, payload)
 
     @abstractmethod
     def send_progress(self, seq: int) -> None:
@@ -161,20 +238,20 @@ class Link(ABC):
 
     def peer_aborted(self, reason: str) -> None:
         """Called by the transport when the peer aborted."""
-        if self.on_abort is not None:
-            self.on_abort(self.peer, reason)
+        if self.events is not None:
+            self.events.on_abort(self.peer, reason)
 
     def peer_lost(self, reason: str) -> None:
         """Called by the transport when the peer is gone (its socket closed, heartbeats stopped)."""
-        if self.on_lost is not None:
-            self.on_lost(self.peer, reason)
+        if self.events is not None:
+            self.events.on_lost(self.peer, reason)
 
     def peer_broke_protocol(self, reason: str) -> None:
         """Called by the transport when the peer sent a message it cannot accept (``reason``
         says what was wrong). The peer is alive but out of step (another ahcomm version, a
         bug), so nothing later from it can be trusted: the communicator fails on every rank."""
-        if self.on_broken is not None:
-            self.on_broken(self.peer, reason)
+        if self.events is not None:
+            self.events.on_broken(self.peer, reason)
 
     # -- data -----------------------------------------------------------------------------
     def remote(self, buf: str) -> np.ndarray:
@@ -288,3 +365,8 @@ def as_bytes(array: np.ndarray) -> np.ndarray:
         raise ValueError("put needs a contiguous source")
     return array.reshape(-1).view(np.uint8)
 
+
+
+if TYPE_CHECKING:  # mypy checks that a Link is both faces of the contract
+    def _faces(link: Link) -> tuple[DataLink, Connection]:
+        return link, link
