@@ -102,3 +102,11 @@ class CollectiveMismatchError(CommunicationError):
         super().__init__(message)
         self.seq = seq
         self.ranks = ranks
+
+
+# Tracebacks name the public path (``ahcomm.PeerFailure``), not this private module.
+for _cls in (AhcommError, UsageError, InvalidArgument, InvalidDtype, CommClosedError, WrongLoopError, ConfigError,
+             CommunicationError, ConnectError, TransportError, CollectiveTimeout, PeerFailure,
+             CollectiveMismatchError):
+    _cls.__module__ = "ahcomm"
+del _cls

@@ -227,6 +227,11 @@ async def launch(nprocs: int, program: Sequence[str], *, tag_output: bool | None
                 else:
                     left = "" if on_failure == "continue" else f" after {restarts[local]} restarts"
                     print(f"ahcomm-run: rank {rank} {how}{left}; the other ranks go on", file=sys.stderr, flush=True)
+        if status and not interrupted and not stopping and on_failure != "stop":
+            recovered = sum(restarts)
+            count = f" ({recovered} restart{'s' if recovered != 1 else ''})" if recovered else ""
+            print(f"ahcomm-run: every rank has finished{count}; exiting {status}, the status of the first "
+                  "failure (the exit status always says something died)", file=sys.stderr, flush=True)
     finally:
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1):
             loop.remove_signal_handler(sig)
