@@ -18,7 +18,7 @@ import asyncio
 import json
 import sys
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -89,7 +89,8 @@ class _Links(dict[int, Link]):
         self.world, self.rank = world, rank
 
     def __missing__(self, peer: int) -> Link:
-        return self.world.link(self.rank, peer)
+        link = self[peer] = self.world.link(self.rank, peer)
+        return link
 
 
 class _Done(Progress):
@@ -313,11 +314,54 @@ def candidates(op: str, n: int, k: int, nbytes: int, dtype: str = "float32") -> 
     dt = np.dtype(dtype)
     redop = ReduceOp.SUM if op in ("all_reduce", "reduce_scatter") else None
     call = Call(op=op, seq=0, dtype=dt, count=nbytes // dt.itemsize, redop=redop)
-    world = World(1, 1, reference_model(), check=False, contention=True) if n < 1 else None
-    del world
     topo = Topology(rank=0, size=n, hosts=tuple(f"s{r // k}" for r in range(n)),
                     link_kinds=_Kinds(0, n, k), all_mapped=False, single_copy=False)  # type: ignore[arg-type]
     return [name for name, a in REGISTRY.algorithms.items() if a.select(call, topo)]
+
+
+def closed_form(op: str, algorithm: str, n: int, k: int, nbytes: int, model: CostModel) -> float | None:
+    """The textbook alpha-beta seconds of all_reduce by ring, RHD (``n`` a power of two) or hier
+    (``n`` a multiple of ``k``) on this cluster; None for anything else. Pure alpha-beta: no
+    compute, no contention (compare with ``simulate(..., contention=False)`` and a model whose
+    ``gamma`` and ``copy`` are 0). Ring is bound by its slowest link; an RHD step at distance d
+    stays inside a server when d < k; hier follows ``ahcomm.algorithms.hierarchical``'s costs
+    (level-1 ring for chunks above ``RHD_BYTES``, RHD below; segments from 2 ``SEGMENT_BYTES``)."""
+    from .algorithms.hierarchical import MAX_SEGMENTS, RHD_BYTES, SEGMENT_BYTES
+
+    if op != "all_reduce" or n < 2:
+        return None
+    a0, b0 = model.links[INTRA].alpha, model.links[INTRA].beta
+    a1, b1 = model.links[INTER].alpha, model.links[INTER].beta
+    m = float(nbytes)
+    if algorithm == "ring":  # a chain around the ring (mean hop), or the slowest port busy all along
+        inter = 1 if n > k else 0
+        hops = n // k if n > k else 0  # hops between servers in the ring (k divides n)
+        a_mean = ((n - hops) * a0 + hops * a1) / n
+        b_mean = ((n - hops) * b0 + hops * b1) / n
+        b_max = b1 if inter else b0
+        steps = 2 * (n - 1)
+        return max(steps * (a_mean + m / n * b_mean), steps * m / n * b_max)
+    if algorithm == "rhd":
+        if n & (n - 1):
+            return None
+        total, d, part = 0.0, n // 2, m / 2
+        while d >= 1:  # halving at p/2, p/4, ..., 1 moves m/2, m/4, ...; doubling mirrors it
+            a, b = (a0, b0) if d < k else (a1, b1)
+            total += 2 * (a + part * b)
+            d, part = d // 2, part / 2
+        return total
+    if algorithm == "hier":
+        if n % k or n <= k:
+            return None
+        s = n // k
+        segments = min(MAX_SEGMENTS, int(m // SEGMENT_BYTES)) if m >= 2 * SEGMENT_BYTES else 1
+        seg = m / segments
+        t0 = 2 * (a0 + (k - 1) / k * seg * b0)
+        chunk = seg / k
+        steps = 2 * (s - 1) if chunk > RHD_BYTES else 2 * max(0, (s - 1).bit_length())
+        t1 = steps * a1 + 2 * (s - 1) / s * chunk * b1
+        return t0 + t1 + (segments - 1) * max(t0, t1)
+    return None
 
 
 # -- the command line ------------------------------------------------------------------------------
@@ -377,7 +421,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-__all__ = ["OPS", "Result", "World", "candidates", "load_model", "main", "reference_model", "replace", "simulate"]
+__all__ = ["OPS", "Result", "World", "candidates", "closed_form", "load_model", "main", "reference_model", "simulate"]
 
 
 if __name__ == "__main__":
