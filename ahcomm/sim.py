@@ -155,6 +155,7 @@ class World:
             self.buffers = [shared] * n
         self.hosts = tuple(f"s{r // k}" for r in range(n))
         self._links: dict[tuple[int, int], SimLink] = {}
+        self._scratch = np.empty(0, np.uint8)
 
     def link(self, rank: int, peer: int) -> SimLink:
         if not 0 <= peer < self.n or peer == rank:
@@ -170,6 +171,11 @@ class World:
                 self.link(peer, rank)
         return link
 
+    def scratch(self, nbytes: int) -> np.ndarray:
+        if self._scratch.nbytes < nbytes:
+            self._scratch = np.empty(nbytes, np.uint8)
+        return self._scratch
+
     def topology(self, rank: int) -> Topology:
         return Topology(rank=rank, size=self.n, hosts=self.hosts,
                         link_kinds=_Kinds(rank, self.n, self.k),  # type: ignore[arg-type]
@@ -180,6 +186,8 @@ class World:
         ex = Executor(rank, self.n, _Links(self, rank), _Buffers(ccl_in, ccl_out),  # type: ignore[arg-type]
                       self.topology(rank), _Done(rank, 1))
         ex._unmapped = []  # puts complete when their bytes left: nothing to flush
+        if not self.net.check:  # one shared scratch, never written (the executor's is pre-faulted per rank)
+            ex.scratch = self.scratch  # type: ignore[method-assign]
         _simulate_memory(ex.main, self)
         make = ex._substreams
 
