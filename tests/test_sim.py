@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
@@ -88,3 +89,19 @@ def test_cli_bad_input(capsys: pytest.CaptureFixture[str]) -> None:
     assert "nosuch" in capsys.readouterr().err
     assert main(["all_reduce", "--ranks", "4", "--size", "1KiB", "--straggler", "9:10"]) == 1
     assert "straggler rank 9" in capsys.readouterr().err
+
+
+def test_model_file_is_a_calibration(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """--model takes what ``ahcomm-bench calibrate`` saves (``CostModel.to_dict``); slower links, longer call."""
+    from ahcomm.algorithms.cost import CostModel, LinkCost
+
+    model = replace(reference_model(), links={**reference_model().links, "rdma": LinkCost(50e-6, 1 / 1e9)})
+    path = tmp_path / "calibration.json"
+    path.write_text(json.dumps(model.to_dict()))
+    argv = ["all_reduce", "--ranks", "8", "--ranks-per-server", "4", "--size", "1MiB", "--algorithm", "ring", "--json"]
+    assert main(argv) == 0
+    fast = json.loads(capsys.readouterr().out)["time_us"]
+    assert main([*argv, "--model", str(path)]) == 0
+    slow = json.loads(capsys.readouterr().out)["time_us"]
+    assert CostModel.from_dict(json.loads(path.read_text())).links["rdma"].alpha == 50e-6
+    assert slow > 5 * fast
