@@ -1,0 +1,107 @@
+"""ahcomm-sim: the real algorithms over simulated links in virtual time."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from ahcomm.sim import OPS, candidates, closed_form, main, reference_model, simulate
+from ahcomm.transports.sim import SimDeadlock, VirtualLoop
+
+CASES = [(3, 2), (5, 3), (8, 4)]  # (ranks, ranks per server): odd worlds, 2 servers
+
+
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("n,k", CASES)
+def test_check_every_algorithm(op: str, n: int, k: int) -> None:
+    """Every algorithm that selects the simulated topology moves the right data (numpy compares),
+    on sizes that are sliced and pipelined in the small check-mode buffers."""
+    names = candidates(op, n, k, 40_000)
+    assert names, f"no algorithm can run {op} on {n} ranks"
+    for name in names:
+        for nbytes in (4, 4 * 1001, 40_000 * 4):
+            r = simulate(op, n, k, nbytes, name, check=True)
+            assert r.checked and r.algorithm == name and r.time_us > 0
+
+
+@pytest.mark.parametrize("algorithm,n,k", [("ring", 8, 8), ("ring", 16, 4), ("rhd", 8, 8), ("rhd", 16, 4)])
+def test_closed_form_large(algorithm: str, n: int, k: int) -> None:
+    """Without contention or compute, a bandwidth-bound all_reduce takes its alpha-beta time (5%)."""
+    model = replace(reference_model(), gamma=0.0, copy=0.0)
+    size = 64 << 20
+    want = closed_form("all_reduce", algorithm, n, k, size, model)
+    assert want is not None
+    got = simulate("all_reduce", n, k, size, algorithm, model=model, contention=False).time_us * 1e-6
+    assert abs(got / want - 1) < 0.05, (got, want)
+
+
+def test_contention_costs_time() -> None:
+    """Ports that move one thing at a time make hier's many-to-one level 0 slower, never faster."""
+    on = simulate("all_reduce", 32, 8, 64 << 20, "hier").time_us
+    off = simulate("all_reduce", 32, 8, 64 << 20, "hier", contention=False).time_us
+    assert on > off
+
+
+@pytest.mark.parametrize("algorithm", ["ring", "rhd", "hier"])
+def test_straggler_delays_by_its_delay(algorithm: str) -> None:
+    """A rank that starts 1 ms late delays a small all_reduce by about 1 ms (everyone needs it)."""
+    base = simulate("all_reduce", 16, 4, 4096, algorithm).time_us
+    late = simulate("all_reduce", 16, 4, 4096, algorithm, straggler=(5, 1e-3)).time_us
+    assert 900 <= late - base <= 1000 + base  # the others did what they could meanwhile
+
+
+def test_virtual_time_and_deadlock() -> None:
+    """The loop's clock jumps over sleeps; a wait nobody posts is a SimDeadlock, not a hang."""
+    import asyncio
+
+    loop = VirtualLoop()
+
+    async def sleeper() -> float:
+        await asyncio.sleep(3600)
+        return loop.time()
+
+    assert loop.run_sim(sleeper()) == pytest.approx(3600)
+
+    async def stuck() -> None:
+        await loop.create_future()
+
+    with pytest.raises(SimDeadlock):
+        loop.run_sim(stuck())
+    loop.close()
+
+
+def test_cli_json(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["all_reduce", "--ranks", "16", "--ranks-per-server", "4", "--size", "1MiB", "--algorithm", "all",
+                 "--json"]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert {r["algorithm"] for r in rows} == set(candidates("all_reduce", 16, 4, 1 << 20))
+    for row in rows:
+        assert {"op", "ranks", "ranks_per_server", "bytes", "algorithm", "time_us", "pick"} <= set(row)
+        assert (row["op"], row["ranks"], row["ranks_per_server"], row["bytes"]) == ("all_reduce", 16, 4, 1 << 20)
+        assert row["time_us"] > 0 and row["inter_bytes"] > 0
+
+
+def test_cli_bad_input(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["all_reduce", "--ranks", "4", "--size", "1KiB", "--algorithm", "nosuch"]) == 1
+    assert "nosuch" in capsys.readouterr().err
+    assert main(["all_reduce", "--ranks", "4", "--size", "1KiB", "--straggler", "9:10"]) == 1
+    assert "straggler rank 9" in capsys.readouterr().err
+
+
+def test_model_file_is_a_calibration(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """--model takes what ``ahcomm-bench calibrate`` saves (``CostModel.to_dict``); slower links, longer call."""
+    from ahcomm.algorithms.cost import CostModel, LinkCost
+
+    model = replace(reference_model(), links={**reference_model().links, "rdma": LinkCost(50e-6, 1 / 1e9)})
+    path = tmp_path / "calibration.json"
+    path.write_text(json.dumps(model.to_dict()))
+    argv = ["all_reduce", "--ranks", "8", "--ranks-per-server", "4", "--size", "1MiB", "--algorithm", "ring", "--json"]
+    assert main(argv) == 0
+    fast = json.loads(capsys.readouterr().out)["time_us"]
+    assert main([*argv, "--model", str(path)]) == 0
+    slow = json.loads(capsys.readouterr().out)["time_us"]
+    assert CostModel.from_dict(json.loads(path.read_text())).links["rdma"].alpha == 50e-6
+    assert slow > 5 * fast
