@@ -24,8 +24,11 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
-import torch
-import torch.distributed as dist
+try:
+    import torch
+    import torch.distributed as dist
+except ImportError as exc:  # an optional extra: say how to get it
+    raise ImportError("ahcomm.torch needs torch: pip install 'ahcomm[torch]'") from exc
 
 from . import _slurm
 from ._collectives import Gathered

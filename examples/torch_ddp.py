@@ -1,5 +1,6 @@
 """PyTorch DistributedDataParallel on the "ahcomm" backend: the training loop is plain torch.
 
+    pip install '.[torch]'        # torch is an optional extra
     torchrun --standalone --nproc-per-node 2 examples/torch_ddp.py
     ahcomm-run -n 2 python examples/torch_ddp.py
 
@@ -59,7 +60,7 @@ def main() -> None:
     if rank == 0:
         alone = make_model()
         train(alone, args.steps, args.batch, 0, 1)
-        diff = max(float((a - b).abs().max()) for a, b in zip(model.parameters(), alone.parameters()))
+        diff = max(float((a - b).detach().abs().max()) for a, b in zip(model.parameters(), alone.parameters()))
         print(f"largest weight difference from one process on the whole batch: {diff:.2e}", flush=True)
         print("OK" if diff < 1e-4 else "MISMATCH", flush=True)
     dist.destroy_process_group()
