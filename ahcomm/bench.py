@@ -55,7 +55,11 @@ def parse_size(text: str) -> int:
     """'8', '64K', '4M', '1G' (binary multiples)."""
     text = text.strip().upper().rstrip("B")
     mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-    return int(float(text[:-1]) * mult[text[-1]]) if text and text[-1] in mult else int(text)
+    try:
+        return int(float(text[:-1]) * mult[text[-1]]) if text and text[-1] in mult else int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"size {text!r}: use a number of bytes, or one with K, M or G "
+                                         "(8, 64K, 1.5M, 1G)") from None
 
 
 def sizes(minbytes: int, maxbytes: int, factor: int) -> Iterator[int]:
@@ -434,16 +438,18 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("op", choices=(*OPS, "calibrate"),
                    help="the collective to time, or 'calibrate' (measure the cost model's numbers)")
     p.add_argument("-n", "--np", dest="nproc", type=int, default=2, help="ranks to start (when not launched)")
-    p.add_argument("-b", "--minbytes", type=parse_size, default=parse_size("8"))
-    p.add_argument("-e", "--maxbytes", type=parse_size, default=parse_size("64M"))
-    p.add_argument("-f", "--stepfactor", type=int, default=4)
+    p.add_argument("-b", "--minbytes", type=parse_size, default=parse_size("8"),
+                   help="smallest size in bytes (8, 64K, 1M; default 8)")
+    p.add_argument("-e", "--maxbytes", type=parse_size, default=parse_size("64M"),
+                   help="largest size in bytes (default 64M)")
+    p.add_argument("-f", "--stepfactor", type=int, default=4, help="size multiplier between rows (default 4)")
     p.add_argument("-d", "--dtype", type=dtype_arg, default=np.dtype(np.float32),
                    help="element type: a numpy name (float32, int64, ...) or bfloat16, float8_e4m3fn, float8_e5m2")
     p.add_argument("-o", "--redop", default="sum", choices=REDOPS,
                    help="reduce op of all_reduce, reduce_scatter and reduce (band/bor/bxor: integer or bool -d)")
-    p.add_argument("-r", "--root", type=int, default=0)
-    p.add_argument("-w", "--warmup-iters", type=int, default=3)
-    p.add_argument("-i", "--iters", type=int, default=20)
+    p.add_argument("-r", "--root", type=int, default=0, help="root rank of rooted ops (default 0)")
+    p.add_argument("-w", "--warmup-iters", type=int, default=3, help="untimed iterations per size (default 3)")
+    p.add_argument("-i", "--iters", type=int, default=20, help="timed iterations per size (default 20)")
     p.add_argument("-c", "--check", type=int, default=1, help="check results against numpy (1) or not (0)")
     p.add_argument("--max-seconds", type=float, default=1.0, help="cap on timed seconds per size")
     p.add_argument("--inplace", action="store_true", help="all_reduce/broadcast in place (out is the input)")
@@ -488,7 +494,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         from .run import launch
 
         sys.exit(asyncio.run(launch(args.nproc, [sys.executable, "-m", "ahcomm.bench", *argv])))
-    asyncio.run(run_rank(args))
+    try:
+        asyncio.run(run_rank(args))
+    except KeyboardInterrupt:  # Ctrl-C: the launcher says so once per rank, no traceback
+        sys.exit(130)
 
 
 if __name__ == "__main__":

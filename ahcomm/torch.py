@@ -24,6 +24,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
+
 try:
     import torch
     import torch.distributed as dist

@@ -76,6 +76,14 @@ def test_an_unsupported_dtype_is_an_argument_error(name: str, capsys: pytest.Cap
     assert f"unsupported dtype '{name}'" in capsys.readouterr().err
 
 
+def test_a_bad_size_is_an_argument_error_that_says_the_format(capsys: pytest.CaptureFixture[str]) -> None:
+    """Before: 'invalid parse_size value' (a function's name, not the format)."""
+    with pytest.raises(SystemExit) as exit_:
+        bench.parser().parse_args(["all_reduce", "-b", "1X"])
+    assert exit_.value.code == 2
+    assert "size '1X': use a number of bytes, or one with K, M or G" in capsys.readouterr().err
+
+
 def test_a_reduce_op_the_dtype_cannot_take_is_an_argument_error(capsys: pytest.CaptureFixture[str]) -> None:
     """Checked before any rank starts (before: two rank tracebacks)."""
     with pytest.raises(SystemExit) as exit_:
