@@ -86,11 +86,15 @@ class CollectiveTimeout(CommunicationError, TimeoutError):
 
 
 class PeerFailure(CommunicationError):
-    """A peer rank died or aborted."""
+    """A peer rank died or aborted; ``rank`` is that peer, ``op`` and ``seq`` the collective this
+    rank was running or waiting on when it learnt of it (None while idle)."""
 
-    def __init__(self, message: str, rank: int | None = None) -> None:
+    def __init__(self, message: str, rank: int | None = None, *, op: str | None = None,
+                 seq: int | None = None) -> None:
         super().__init__(message)
         self.rank = rank
+        self.op = op
+        self.seq = seq
 
 
 class CollectiveMismatchError(CommunicationError):

@@ -324,7 +324,7 @@ class Health:
             message = (f"{self.name(lost)} was lost ({text}; found by {self.name(peer)}); "
                        f"{self.name(self._comm.rank)} can no longer run collectives on it")
             suffix, path = self.record(message)
-            error = PeerFailure(message + suffix, rank=lost)
+            error = PeerFailure(message + suffix, rank=lost, **self._current())
         elif kind == "malformed":
             sender, by = int(msg.get("from", -1)), int(msg.get("by", peer))
             who = f"this rank ({self.name(sender)})" if sender == self._comm.rank else self.name(sender)
@@ -345,12 +345,19 @@ class Health:
 
     def on_abort(self, peer: int, reason: str) -> None:
         if self.final is None:
-            message = (f"{self.name(peer)} aborted its communicator ({reason}); "
+            message = (f"{self.name(peer)} aborted its communicator ({reason}) {self._during()}; "
                        f"{self.name(self._comm.rank)} can no longer run collectives on it")
             suffix, path = self.record(message)
-            error = PeerFailure(message + suffix, rank=peer)
+            error = PeerFailure(message + suffix, rank=peer, **self._current())
             error.flight_record = path
             self.fail(error, record=False)
+
+    def _current(self) -> dict[str, Any]:
+        """op= and seq= of the collective running or next in line here (none while idle)."""
+        job = self._comm._running
+        if job is None:
+            job = self.held[0] if self.held else self._comm._queue[0] if self._comm._queue else None
+        return {"op": job.call.op, "seq": job.call.seq} if job is not None else {}
 
     def _during(self) -> str:
         job = self._comm._running
@@ -371,10 +378,10 @@ class Health:
         message = (f"{self.name(peer)} was lost ({reason}) {self._during()}; "
                    f"{self.name(self._comm.rank)} can no longer run collectives on it")
         if self._comm._closing:  # after close()'s barrier peers go away: end quietly
-            self.fail(PeerFailure(message, rank=peer), record=False)
+            self.fail(PeerFailure(message, rank=peer, **self._current()), record=False)
             return
         suffix, path = self.record(message)
-        error = PeerFailure(message + suffix, rank=peer)
+        error = PeerFailure(message + suffix, rank=peer, **self._current())
         error.flight_record = path
         self.fail(error, record=False, tell=("lost", f"{reason}, {self._during()} on {self.name(self._comm.rank)}"),
                    extra={"lost": peer})

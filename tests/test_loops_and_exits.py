@@ -142,6 +142,9 @@ async def test_leaving_async_with_on_an_exception_tells_the_peers_what_it_was() 
                                                          r"on ValueError: boom on purpose\)") as info:
                 await comm.all_reduce(np.ones(2), timeout=T)
             assert info.value.rank == 1 and time.monotonic() - start < T / 2
+            # and which of its own collectives it was in (a newcomer's report: no op, no seq)
+            assert info.value.op == "all_reduce" and info.value.seq is not None
+            assert f"during all_reduce #{info.value.seq}" in str(info.value)
 
     await asyncio.wait_for(asyncio.gather(waiting(comms[0]), failing(comms[1]), waiting(comms[2])), 3 * T)
     assert all(c.closed for c in comms)
