@@ -58,6 +58,7 @@ from ._sync import ThreadsafeCalls
 from .algorithms._executor import Executor, Progress
 from .algorithms._selection import Selector
 from .algorithms.base import WHOLE, Call, Topology
+from .algorithms.copies import Explanation, copies
 from .transports.base import Link
 
 _UFUNCS: dict[tuple[ReduceOp, np.dtype], np.ufunc] = {}  # ufunc_for's answers (a few dozen at most)
@@ -463,13 +464,15 @@ class Comm(ThreadsafeCalls, BlockedCollectives, ObjectCollectives, PointToPoint)
         self._executor.set_topology(topo)
 
     def explain(self, op: str, count: int, dtype: Any = np.float32, *,
-                root: int = 0) -> tuple[str, dict[str, float | None]]:
+                root: int = 0) -> Explanation:
         """(the algorithm this communicator would run, {every candidate: estimated seconds})
-        for ``op`` on ``count`` elements (per rank block for the blocked ops) of ``dtype``."""
+        for ``op`` on ``count`` elements (per rank block for the blocked ops) of ``dtype``;
+        ``.copies`` says how many copies per received byte it makes (``algorithms.copies``)."""
         counts = (count,) * self.size if op in WHOLE and op != "reduce" else None
         call = Call(op=op, seq=self._seq, dtype=np.dtype(dtype), count=count, root=root, counts=counts,
                     recv_counts=counts if op.startswith("all_to_all") else None)
-        return self._selector.choose(call, self.topology).name, self._selector.costs(call, self.topology)
+        name = self._selector.choose(call, self.topology).name
+        return Explanation(name, self._selector.costs(call, self.topology), copies(name, call, self.topology))
 
     # -- lifecycle --------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
