@@ -477,8 +477,9 @@ class Comm(ThreadsafeCalls, BlockedCollectives, ObjectCollectives, PointToPoint)
     # -- lifecycle --------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
         """Per-link counters (kind, bytes moved: what went over sdma vs rdma) and, once, the counters
-        of this rank's receiving endpoint (refused connections, rejected messages)."""
-        return {"rank": self.rank, "size": self.size, "seq": self._seq,
+        of this rank's receiving endpoint (refused connections, rejected messages); ``single_copy``:
+        whether large one-host transfers read peers' user buffers in place (else they are staged)."""
+        return {"rank": self.rank, "size": self.size, "seq": self._seq, "single_copy": self.topology.single_copy,
                 "links": self._executor.link_stats(), "endpoint": self._executor.endpoint_stats()}
 
     def abort(self, reason: str = "aborted") -> None:

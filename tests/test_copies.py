@@ -48,3 +48,15 @@ async def test_explain_shows_copies() -> None:
             assert shown.copies is not None and shown.copies["total"] == 1
     finally:
         await asyncio.gather(*(c.close() for c in comms))
+
+
+@pytest.mark.parametrize("single", [True, False])
+async def test_stats_say_which_path(single: bool) -> None:
+    comms = await ahcomm.init_inprocess(2, single_copy=single)
+    try:
+        assert comms[0].stats()["single_copy"] is single
+        entry = comms[0].explain("all_gather", 1 << 20, np.float32).copies
+        if comms[0].explain("all_gather", 1 << 20, np.float32)[0] == "mesh":
+            assert entry is not None and entry["single_copy"] is single
+    finally:
+        await asyncio.gather(*(c.close() for c in comms))
