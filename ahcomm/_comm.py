@@ -58,6 +58,7 @@ from ._sync import ThreadsafeCalls
 from .algorithms._executor import Executor, Progress
 from .algorithms._selection import Selector
 from .algorithms.base import WHOLE, Call, Topology
+from .algorithms.copies import Explanation, copies
 from .transports.base import Link
 
 _UFUNCS: dict[tuple[ReduceOp, np.dtype], np.ufunc] = {}  # ufunc_for's answers (a few dozen at most)
@@ -463,19 +464,22 @@ class Comm(ThreadsafeCalls, BlockedCollectives, ObjectCollectives, PointToPoint)
         self._executor.set_topology(topo)
 
     def explain(self, op: str, count: int, dtype: Any = np.float32, *,
-                root: int = 0) -> tuple[str, dict[str, float | None]]:
+                root: int = 0) -> Explanation:
         """(the algorithm this communicator would run, {every candidate: estimated seconds})
-        for ``op`` on ``count`` elements (per rank block for the blocked ops) of ``dtype``."""
+        for ``op`` on ``count`` elements (per rank block for the blocked ops) of ``dtype``;
+        ``.copies`` says how many copies per received byte it makes (``algorithms.copies``)."""
         counts = (count,) * self.size if op in WHOLE and op != "reduce" else None
         call = Call(op=op, seq=self._seq, dtype=np.dtype(dtype), count=count, root=root, counts=counts,
                     recv_counts=counts if op.startswith("all_to_all") else None)
-        return self._selector.choose(call, self.topology).name, self._selector.costs(call, self.topology)
+        name = self._selector.choose(call, self.topology).name
+        return Explanation(name, self._selector.costs(call, self.topology), copies(name, call, self.topology))
 
     # -- lifecycle --------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
         """Per-link counters (kind, bytes moved: what went over sdma vs rdma) and, once, the counters
-        of this rank's receiving endpoint (refused connections, rejected messages)."""
-        return {"rank": self.rank, "size": self.size, "seq": self._seq,
+        of this rank's receiving endpoint (refused connections, rejected messages); ``single_copy``:
+        whether large one-host transfers read peers' user buffers in place (else they are staged)."""
+        return {"rank": self.rank, "size": self.size, "seq": self._seq, "single_copy": self.topology.single_copy,
                 "links": self._executor.link_stats(), "endpoint": self._executor.endpoint_stats()}
 
     def abort(self, reason: str = "aborted") -> None:

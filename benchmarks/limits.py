@@ -1,0 +1,58 @@
+"""This host's physical copy limits, printed beside collective figures (issue 12).
+
+memcpy: one thread copying 64 MiB within a process (numpy.copyto, best of 5).
+cma: the kernel's single copy, process_vm_readv of a forked child's 64 MiB into ours
+(1 thread, and 2 threads each reading one half), best of 5. GB/s = 1e9 bytes/s.
+Usage: PYTHONPATH=$PWD python benchmarks/limits.py
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable
+
+import numpy as np
+
+from ahcomm.transports import _cma
+
+N = 64 << 20
+
+
+def best(fn: Callable[[], None], k: int = 5) -> float:
+    times = []
+    for _ in range(k):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return N / min(times) / 1e9
+
+
+def main() -> None:
+    src, dst = np.ones(N, np.uint8), np.zeros(N, np.uint8)
+    print(f"memcpy 1 thread: {best(lambda: np.copyto(dst, src)):.2f} GB/s")
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.read(r, 1)
+        os._exit(0)
+    addr, half = src.ctypes.data, N // 2  # the child has the same addresses
+
+    def two() -> None:
+        ts = [threading.Thread(target=_cma.read, args=(pid, dst[i * half:(i + 1) * half], addr + i * half))
+              for i in range(2)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join()
+    try:
+        print(f"cma 1 thread:    {best(lambda: _cma.read(pid, dst, addr)):.2f} GB/s")
+        print(f"cma 2 threads:   {best(two):.2f} GB/s")
+    finally:
+        os.write(w, b"x")
+        os.waitpid(pid, 0)
+
+
+if __name__ == "__main__":
+    main()
