@@ -46,7 +46,7 @@ import numpy as np
 from . import _elastic, _flight, _groups
 from ._buffers import CclBuffers
 from ._collectives import BlockedCollectives, flat_view
-from ._core import Job
+from ._core import Job, cancel_and_wait
 from ._devices import device_aware, take_staging
 from ._dtypes import ReduceOp, check_dtype, check_reduce, ufunc_for
 from ._errors import CommClosedError, InvalidArgument, check_timeout
@@ -261,12 +261,7 @@ class Comm(ThreadsafeCalls, BlockedCollectives, ObjectCollectives, PointToPoint)
 
     # -- plumbing ---------------------------------------------------------------------------
     def _check_open(self) -> None:
-        try:
-            loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
-        except RuntimeError:
-            loop = None
-        if loop is not self._loop:
-            self._not_my_loop(loop)
+        self._check_loop()
         if self._closed:
             raise CommClosedError(f"communicator (rank {self.rank}) is closed")
         error = self._health.error
@@ -515,13 +510,7 @@ class Comm(ThreadsafeCalls, BlockedCollectives, ObjectCollectives, PointToPoint)
                 job.future.set_exception(CommClosedError(f"communicator (rank {self.rank}) closed "
                                                          f"before {job.call.op} #{job.call.seq} ran"))
         await self._health.close()
-        task = self._worker
-        if task is not None and not task.done():
-            task.cancel()
-            try:
-                await task
-            except BaseException:  # noqa: BLE001
-                pass
+        await cancel_and_wait(self._worker)
         if self._loop is not None:
             _flight.unwatch(self, self._loop)
         await self._executor.close()

@@ -29,6 +29,16 @@ if TYPE_CHECKING:
     from .transports.base import Link
 
 
+async def cancel_and_wait(task: asyncio.Task[Any] | None) -> None:
+    """Cancel ``task`` (if still running) and wait until it has ended, whatever it raises."""
+    if task is not None and not task.done():
+        task.cancel()
+        try:
+            await task
+        except BaseException:  # noqa: BLE001 - it is being stopped: how it ends does not matter
+            pass
+
+
 class Gathered(NamedTuple):
     """An uneven result: the data and how many rows (axis 0) came from each rank."""
 

@@ -16,7 +16,7 @@ from collections.abc import Coroutine
 from typing import Any
 
 from ._control import Requests, unpack
-from ._core import CommState, Job
+from ._core import CommState, Job, cancel_and_wait
 from ._errors import (
     AhcommError,
     CollectiveMismatchError,
@@ -294,13 +294,7 @@ class Health:
     async def close(self) -> None:
         """Stop the watchdog and the diagnosis, drop the requests and what was kept for checks."""
         self.watchdog.cancel()
-        task = self.diagnosis
-        if task is not None and not task.done():
-            task.cancel()
-            try:
-                await task
-            except BaseException:  # noqa: BLE001
-                pass
+        await cancel_and_wait(self.diagnosis)
         self.control.close()
         self.early.clear()
         self.fps.clear()
