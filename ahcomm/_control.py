@@ -46,6 +46,26 @@ class Requests:
         for peer in self._executor.links:
             self._executor.send_control(peer, payload)
 
+    def send_all_acked(self, msg: dict[str, Any]) -> list["asyncio.Future[dict[str, Any]]"]:
+        """Send ``msg`` to every peer now, as a request: the futures of their acknowledgements
+        (a peer acknowledges a notice on arrival; see ``forget``)."""
+        loop = asyncio.get_running_loop()
+        acks: list[asyncio.Future[dict[str, Any]]] = []
+        for peer in self._executor.links:
+            rid = next(self._ids)
+            if self._executor.send_control(peer, pack({**msg, "id": rid})):
+                fut: asyncio.Future[dict[str, Any]] = loop.create_future()
+                self._waiting[rid] = fut
+                acks.append(fut)
+        return acks
+
+    def forget(self, acks: list["asyncio.Future[dict[str, Any]]"]) -> None:
+        """Stop waiting for the acknowledgements ``acks``."""
+        for rid, fut in list(self._waiting.items()):
+            if fut in acks:
+                del self._waiting[rid]
+                fut.cancel()
+
     def reply(self, peer: int, request: dict[str, Any], answer: dict[str, Any]) -> None:
         self._executor.send_control(peer, pack({"t": "re", "id": request.get("id", 0), **answer}))
 

@@ -31,6 +31,7 @@ from ._watchdog import Watchdog
 from .algorithms._executor import Executor
 from .algorithms.base import Call
 
+NOTICE_WAIT = 0.1  # seconds a failing rank waits for its notice to reach the peers before raising
 REPLY_WAIT = 1.0  # seconds to wait for peers' answers (a call's description, where they stand)
 MAX_EARLY = 4096  # fingerprints kept for calls not issued here yet (bounded: peers run <= 2 ahead)
 
@@ -53,6 +54,8 @@ class Health:
         self.early: dict[int, list[tuple[int, int]]] = {}  # seq -> [(peer, fingerprint)] not checkable yet
         self.held: list[Job] = []  # jobs that failed while a diagnosis runs: they get its verdict
         self.diagnosis: asyncio.Task[None] | None = None
+        self.notice: asyncio.Task[None] | None = None  # waits for the peers to acknowledge the failure notice
+        self.undelivered: list[tuple[asyncio.Future[Any], BaseException]] = []  # errors held until then
         self.control = Requests(executor)  # control messages to the peers, replies awaited
         self.watchdog = Watchdog(comm, self)  # probes long collectives, times out overdue ones
         self.retired = Retirement(comm, executor, self)
@@ -158,6 +161,8 @@ class Health:
             elif kind == "st?":
                 self.control.reply(peer, msg, self._status())
             elif kind == "fail":
+                if "id" in msg:  # acknowledged on arrival: the sender may now raise (and exit)
+                    self.control.reply(peer, msg, {})
                 self._told(peer, msg)
             elif kind == "ret":
                 self.retired.on_retired(peer, msg)
@@ -242,15 +247,46 @@ class Health:
             missing = getattr(error, "missing", None)
             if missing:
                 facts["missing"] = list(missing)
-            self.control.send_all({"t": "fail", "kind": kind, "msg": text[:16000], **facts, **(extra or {})})
+            self._notify({"t": "fail", "kind": kind, "msg": text[:16000], **facts, **(extra or {})})
             self._executor.tell_peers(text)
         pending = [*self.held, *self._comm._drain_queue()]
         self.held.clear()
         for job in pending:
             if job.entry is not None and job.entry.state != "failed":
                 mark(job.entry, error)
-            if not job.future.done():
-                job.future.set_exception(error)
+            self._deliver(job.future, error)
+
+    def _notify(self, msg: dict[str, Any]) -> None:
+        """Send the failure notice ``msg`` to every peer; errors are delivered to the callers
+        once the peers acknowledged it or NOTICE_WAIT passed, so that a caller whose program
+        ends on the error (the process exits, ZeroMQ's queues with it) does not take it along."""
+        try:
+            acks = self.control.send_all_acked(msg)
+        except RuntimeError:  # no running loop (closing from elsewhere): unacknowledged
+            self.control.send_all(msg)
+            return
+        if acks:
+            self.notice = asyncio.get_running_loop().create_task(self._await_acks(acks),
+                                                                 name=f"ahcomm-notice-{self._comm.rank}")
+
+    async def _await_acks(self, acks: list["asyncio.Future[dict[str, Any]]"]) -> None:
+        try:
+            await asyncio.wait(acks, timeout=NOTICE_WAIT)
+        finally:
+            self.control.forget(acks)
+            undelivered, self.undelivered = self.undelivered, []
+            for fut, error in undelivered:
+                if not fut.done():
+                    fut.set_exception(error)
+
+    def _deliver(self, fut: "asyncio.Future[Any]", error: BaseException) -> None:
+        """Fail ``fut`` with ``error``, once the failure notice on its way was acknowledged."""
+        if fut.done():
+            return
+        if self.notice is not None and not self.notice.done():
+            self.undelivered.append((fut, error))
+        else:
+            fut.set_exception(error)
 
     def job_failed(self, job: Job, exc: BaseException) -> None:
         """A usage error (found before anything was sent: the call's checks, the algorithm's
@@ -277,8 +313,7 @@ class Health:
             exc = self.final  # the communicator's failure is what ended this job
         if job.entry is not None and job.entry.state != "failed":
             mark(job.entry, exc)
-        if not job.future.done():
-            job.future.set_exception(exc)
+        self._deliver(job.future, exc)
 
     async def settle(self) -> None:
         """Closing: let a diagnosis on its way (bounded by REPLY_WAIT) give the pending calls its
@@ -290,6 +325,8 @@ class Health:
                 pass
         if self.final is None and self.error is not None:
             self.fail(self.error, record=False)
+        if self.notice is not None and not self.notice.done():
+            await asyncio.wait([self.notice], timeout=NOTICE_WAIT * 2)  # the errors it holds are delivered
 
     async def close(self) -> None:
         """Stop the watchdog and the diagnosis, drop the requests and what was kept for checks."""

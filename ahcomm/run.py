@@ -2,7 +2,8 @@
 
     ahcomm-run -n 4 python train.py          (also: python -m ahcomm.run -n 4 train.py)
     ahcomm-run --nnodes 2 --node-rank R --nproc-per-node 4 --master-addr HOST --master-port P prog.py
-                                             (torchrun's style: run once on every host)
+                                             (torchrun's style: run once on every host; -n may
+                                             differ per host, ranks follow --node-rank order)
     ahcomm-run -H host1:4,host2:4 prog.py    (mpirun's style, also --hostfile FILE: one command
                                              starts every host's ranks over ssh, AHCOMM_RSH)
 
@@ -34,6 +35,7 @@ import socket
 import sys
 from collections.abc import Sequence
 
+from ._nodes import agree
 from ._runproc import Tagger, Watchdog, child_setup
 
 GRACE_SECONDS = 3.0
@@ -389,6 +391,9 @@ def main(argv: Sequence[str] | None = None) -> None:
             parser.error(f"--node-rank {args.node_rank} is out of range for --nnodes {args.nnodes}")
     first = args.first_rank if args.first_rank is not None else args.node_rank * args.nproc
     size = args.world_size if args.world_size is not None else args.nnodes * args.nproc
+    if args.nnodes > 1 and args.first_rank is None and args.world_size is None:  # hosts may differ in -n
+        first, size = asyncio.run(agree(args.node_rank, args.nnodes, args.nproc, args.master_addr,
+                                        args.master_port, os.environ[SECRET_VAR]))
     sys.exit(asyncio.run(launch(args.nproc, args.program, tag_output=args.tag_output,
                                 master_addr=args.master_addr or "127.0.0.1", master_port=args.master_port,
                                 grace=args.grace, first_rank=first, world_size=size,
