@@ -209,12 +209,13 @@ def test_a_torch_distributed_script_runs_unchanged_under_ahcomm_run() -> None:
 
 
 TORCHRUN_PROGRAM = """
-import asyncio, numpy as np, ahcomm
+import asyncio, os, numpy as np, ahcomm
 async def main():
     for _ in range(2):  # each init() meets on a port of its own
         async with await ahcomm.init() as comm:
             got = await comm.all_reduce(np.full(4, comm.rank + 1.0))
-            print("under torchrun", comm.rank, comm.size, int(got[0]), flush=True)
+            # one write per line: torchrun's ranks share the pipe (print's line and newline may split)
+            os.write(1, f"under torchrun {comm.rank} {comm.size} {int(got[0])}\\n".encode())
 asyncio.run(main())
 """
 
