@@ -105,9 +105,8 @@ else:
     FrontEnd = object
 
 
-class CommState(Protocol):
-    """What ``Health`` reads of its communicator. Read-only: it changes nothing through it but
-    the queue, which a failure drains (``_drain_queue``)."""
+class Members(Protocol):
+    """A communicator's place among its members: this rank, their number, each one's world rank."""
 
     @property
     def rank(self) -> int: ...
@@ -115,6 +114,11 @@ class CommState(Protocol):
     def size(self) -> int: ...
     @property
     def world_ranks(self) -> tuple[int, ...]: ...
+
+
+class CommState(Members, Protocol):
+    """What ``Health`` reads of its communicator. Read-only: it changes nothing through it but
+    the queue, which a failure drains (``_drain_queue``)."""
     @property
     def _parent(self) -> object | None: ...  # a sub-communicator names world ranks too
     @property

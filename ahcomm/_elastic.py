@@ -378,19 +378,13 @@ def _finish(s: _Session) -> "Comm":
     kinds = tuple("self" if p == old.rank else topo.link_kinds[p] for p in members)
     sub_topo = Topology(rank=rank, size=len(members), hosts=tuple(topo.hosts[p] for p in members), link_kinds=kinds,
                         all_mapped=all(link.mapped for link in links.values()), single_copy=topo.single_copy)
-    new = type(old)(rank=rank, size=len(members), links=links, buffers=buffers, topo=sub_topo, progress=s.progress,
-                    selector=old._selector, exec_timeout=old._exec_timeout)
-    new.world_ranks = tuple(old.world_ranks[p] for p in members)
-    new.parent_ranks = members
-    new._domains = old._domains
-    new._parent = old  # names world ranks in messages; not one of old's children (closing old keeps it)
+    # Not one of old's children: closing the failed old communicator keeps the new one.
+    new = old._derive(members, rank=rank, links=links, buffers=buffers, topo=sub_topo, progress=s.progress,
+                      label=f"s{s.domain}", child=False)
     share_connections(old, new, links, buffers, channel_of(old))
     _shrunk.add(new)
     s.links = {}  # the new communicator owns them now
     s.finished = True
-    tracer = new._executor.tracer
-    if tracer is not None:
-        tracer.set_group(f"s{s.domain}")
     return new
 
 

@@ -30,6 +30,7 @@ from typing import Any, Protocol, TypeVar
 import numpy as np
 
 from ._buffers import CclBuffers
+from ._core import Members
 from ._errors import InvalidArgument, TransportError, UsageError
 from .algorithms._executor import Executor, Progress
 from .algorithms.base import Topology
@@ -61,17 +62,11 @@ class Domains:
         self.next = max(self.next, number + 1)
 
 
-class Parent(Protocol):
+class Parent(Members, Protocol):
     """What making a sub-communicator uses of its parent (``Comm``): its ranks, its connections
     (the executor's links and buffers), an object collective, and ``_derive``, the constructor
     path of a communicator made from it."""
 
-    @property
-    def rank(self) -> int: ...
-    @property
-    def size(self) -> int: ...
-    @property
-    def world_ranks(self) -> tuple[int, ...]: ...
     @property
     def topology(self) -> Topology: ...
     @property

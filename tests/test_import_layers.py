@@ -112,10 +112,19 @@ def test_the_communicator_and_the_algorithms_package_form_no_cycle() -> None:
 
 # what an algorithm may name of the transport layer: the data plane and the signals (the
 # executor, which runs them, holds the connections and attaches the communicator's events)
-DATA_PLANE = {"DataLink", "Signal", "MemoryRunner"}
+DATA_PLANE = {"DataLink", "Mailboxes", "Signal", "MemoryRunner"}
 CONNECTION_LEVEL = {"attach", "events", "send_control", "send_abort", "send_message", "message", "child",
                     "describe_buffers", "receiver", "stats", "on_abort", "on_fingerprint", "on_control",
                     "on_lost", "on_broken"}
+
+
+def test_no_algorithm_imports_a_concrete_transport() -> None:
+    """Algorithms (the executor included) name transports only through their contract."""
+    graph = _graph()
+    for mod, deps in graph.items():
+        if mod.startswith("ahcomm.algorithms"):
+            concrete = sorted(d for d in deps if d.startswith("ahcomm.transports.") and d != "ahcomm.transports.base")
+            assert not concrete, f"{mod} imports {concrete}"
 
 
 def test_algorithms_see_only_the_data_plane_of_links() -> None:

@@ -19,8 +19,7 @@ import numpy as np
 from .._buffers import CclBuffers
 from .._stream import Stream
 from .._trace import Tracer
-from ..transports.base import Link, LinkEvents
-from ..transports.mailbox import Mailbox
+from ..transports.base import Link, LinkEvents, Mailboxes
 from .base import ALIGN, WHOLE, Algorithm, Call, Context, Resources, Topology
 
 RESOURCE_CACHE = 256  # entries of the per-communicator resources cache
@@ -111,7 +110,7 @@ class Executor:
         self._error: BaseException | None = None  # set by abort: no further slice starts
         self._scratch = np.empty(0, np.uint8)
         self._resources: dict[tuple[Any, ...], Resources] = {}
-        self.mailbox: Mailbox | None = None  # the host's mailboxes (set at init where ``topo.mailbox``)
+        self.mailbox: Mailboxes | None = None  # the host's mailboxes (set at init where ``topo.mailbox``)
 
     def scratch(self, nbytes: int) -> np.ndarray:
         """The reusable scratch region, at least ``nbytes`` long (pre-faulted when it grows)."""

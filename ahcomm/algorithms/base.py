@@ -31,8 +31,7 @@ import numpy as np
 
 from .._notify import Notify
 from .._stream import Stream, TaskFn
-from ..transports.base import DataLink, Signal
-from ..transports.mailbox import Mailbox
+from ..transports.base import DataLink, Mailboxes, Signal
 from .call import WHOLE, Call, Resources, Topology
 from .cost import CostModel, Work, call_bytes
 
@@ -47,7 +46,7 @@ class Context:
     def __init__(self, *, call: Call, topo: Topology, links: Mapping[int, DataLink], src: np.ndarray,
                  dst: np.ndarray, ccl_in: np.ndarray, ccl_out: np.ndarray, half_offset: int, main: Stream,
                  subs: Sequence[Stream], ufunc: np.ufunc | None, final: bool = True,
-                 scratch: Callable[[int], np.ndarray] | None = None, mailbox: Mailbox | None = None) -> None:
+                 scratch: Callable[[int], np.ndarray] | None = None, mailbox: Mailboxes | None = None) -> None:
         self.call = call
         self.topo = topo
         self.rank = topo.rank

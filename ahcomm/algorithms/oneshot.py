@@ -25,7 +25,7 @@ import time
 import numpy as np
 
 from .._notify import Notify
-from ..transports.mailbox import Mailbox
+from ..transports.base import Mailboxes
 from .base import Algorithm, Call, Context, Resources, Topology
 from .cost import CostModel, Work, npieces
 
@@ -170,7 +170,7 @@ async def _arrivals(ctx: Context, tick: int) -> None:
             net.cancel()
 
 
-def _poke(flag: Notify, box: Mailbox) -> None:
+def _poke(flag: Notify, box: Mailboxes) -> None:
     """The safety net's timer: look at the flags again."""
     box.rechecks += 1
     flag.post()

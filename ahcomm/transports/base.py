@@ -99,6 +99,32 @@ class Endpoint(Protocol):
         ...
 
 
+class SpinPolicy(Protocol):
+    """How long a mailbox waiter may poll before it sleeps (``transports.mailbox.Spin``)."""
+
+    def allowed(self) -> float: ...
+    def result(self, found: bool) -> None: ...
+
+
+class Mailboxes(Protocol):
+    """The host's small-message mailboxes as algorithms see them (``transports.mailbox.Mailbox``
+    implements it): publish into this rank's slot, look at and read the peers' slots, and
+    sleep until a publisher wakes this rank (``on_wake``)."""
+
+    capacity: int
+    rechecks: int
+
+    @property
+    def spin(self) -> SpinPolicy: ...
+    on_wake: Callable[[], None] | None
+
+    def publish(self, seq: int, fingerprint: int, data: np.ndarray | None = None) -> tuple[int, np.ndarray]: ...
+    def arrived(self, owner: int, tick: int) -> tuple[int, int] | None: ...
+    def payload(self, owner: int, tick: int) -> np.ndarray: ...
+    def sleep(self) -> None: ...
+    def awake(self) -> None: ...
+
+
 class DataLink(Protocol):
     """The data plane of a link to ``peer``: all an algorithm may use (``algorithms.base.Context``)."""
 
