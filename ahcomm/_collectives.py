@@ -17,7 +17,7 @@ import numpy as np
 
 from ._core import FrontEnd, Job
 from ._core import Gathered as Gathered  # its home for users: ahcomm.Gathered
-from ._devices import device_aware
+from ._device_calls import device_aware
 from ._dtypes import ReduceOp, check_reduce, finish_avg
 from ._errors import InvalidArgument, InvalidDtype, UsageError
 from .algorithms.base import Call

@@ -47,7 +47,7 @@ from . import _elastic, _flight, _groups
 from ._buffers import CclBuffers
 from ._collectives import BlockedCollectives, flat_view
 from ._core import Job, cancel_and_wait
-from ._devices import device_aware, take_staging
+from ._device_calls import device_aware, take_staging
 from ._dtypes import ReduceOp, check_dtype, check_reduce, ufunc_for
 from ._errors import CommClosedError, InvalidArgument, check_timeout
 from ._flight import FlightRecorder

@@ -58,27 +58,23 @@ Ascend device.
 from __future__ import annotations
 
 import asyncio
-import functools
 import sys
-import threading
-from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
-from contextvars import ContextVar
-from typing import Any, TypeVar, cast, overload
+from typing import Any
 
 import ml_dtypes
 import numpy as np
+
+from ._staging_pool import POOL, StagingPool
 
 __all__ = [
     "POOL",
     "Staged",
     "StagingPool",
-    "device_aware",
     "host_out",
     "is_device_tensor",
     "stage",
     "staged_chunks",
-    "take_staging",
     "to_host",
 ]
 
@@ -140,90 +136,6 @@ def _numpy_tensor(a: np.ndarray) -> Any:
         return torch.from_numpy(a.view(np.dtype(int_name))).view(getattr(torch, name))
     return torch.from_numpy(a)
 
-
-def _torch_dtype_name(dtype: Any) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-# -- the staging pool -----------------------------------------------------------------------
-class StagingPool:
-    """Host staging buffers, reused: one free list per (device, dtype, bytes).
-
-    A buffer is a flat torch tensor on the CPU, pinned (page-locked) when it stages an
-    accelerator's tensor, so copies to and from the device run on the copy engines without
-    a bounce. A buffer given back with an event (a copy out of it still in flight) is handed
-    out again only after that event has completed. At most ``max_bytes`` are kept idle; the
-    least recently returned go first.
-    """
-
-    def __init__(self, max_bytes: int = 2 << 30) -> None:
-        self.max_bytes = max_bytes
-        self.allocations = 0  # buffers created (a warm loop of calls adds none)
-        # idle buffers: token -> (key, buffer, event), oldest first; and the tokens per key
-        self._free: OrderedDict[int, tuple[tuple[str, str, int], Any, Any]] = OrderedDict()
-        self._by_key: dict[tuple[str, str, int], list[int]] = {}
-        self._idle_bytes = 0
-        self._lock = threading.Lock()
-
-    def acquire(self, device: Any, dtype: Any, numel: int) -> Any:
-        """A flat CPU tensor of ``numel`` elements of ``dtype`` to stage a tensor of ``device``."""
-        torch = _torch()
-        nbytes = numel * int(dtype.itemsize)
-        key = (str(device), _torch_dtype_name(dtype), nbytes)
-        buf = event = None
-        with self._lock:
-            tokens = self._by_key.get(key)
-            if tokens:
-                _, buf, event = self._free.pop(tokens.pop())  # the most recently returned: warm in cache
-                self._idle_bytes -= nbytes
-        if buf is not None:
-            if event is not None and not event.query():
-                event.synchronize()  # rare: a copy out of this buffer is still in flight
-            return buf
-        buf = torch.empty(numel, dtype=dtype)
-        if torch.device(device).type != "cpu":
-            try:  # pinned for the device's copy engines (torch_npu pins for the NPU)
-                buf = buf.pin_memory()
-            except RuntimeError:  # no driver for pinning: pageable still works, only slower
-                pass
-        self.allocations += 1
-        return buf
-
-    def release(self, device: Any, buf: Any, event: Any = None) -> None:
-        """Give ``buf`` back; ``event``: a copy reading it is in flight until that event."""
-        nbytes = buf.numel() * buf.element_size()
-        key = (str(device), _torch_dtype_name(buf.dtype), nbytes)
-        with self._lock:
-            token = id(buf)
-            if token in self._free:  # given back twice: keep one entry
-                return
-            self._free[token] = (key, buf, event)
-            self._by_key.setdefault(key, []).append(token)
-            self._idle_bytes += nbytes
-            while self._idle_bytes > self.max_bytes and self._free:  # drop the least recently returned
-                old, (k, _, ev) = self._free.popitem(last=False)
-                self._by_key[k].remove(old)
-                if ev is not None:
-                    ev.synchronize()
-                self._idle_bytes -= k[2]
-
-    def idle(self) -> int:
-        """How many buffers wait in the free lists."""
-        with self._lock:
-            return len(self._free)
-
-    def clear(self) -> None:
-        with self._lock:
-            for _, _, ev in self._free.values():
-                if ev is not None:
-                    ev.synchronize()
-            self._free.clear()
-            self._by_key.clear()
-            self._idle_bytes = 0
-
-
-#: the process's pool (staging buffers outlive calls and communicators)
-POOL = StagingPool()
 
 _copy_streams: dict[str, Any] = {}
 
@@ -539,81 +451,3 @@ async def staged_chunks(x: Any, chunk_bytes: int = DEFAULT_CHUNK_BYTES, *,
     finally:
         if own:
             st.release()
-
-
-# -- the API's entry: collectives accept device tensors ---------------------------------------
-F = TypeVar("F", bound=Callable[..., Any])
-
-
-def _is_host(x: Any) -> bool:
-    return x is None or type(x) is np.ndarray
-
-
-async def _finished(future: "asyncio.Future[Any]", staged: Staged) -> Any:
-    try:
-        result = await future
-    except BaseException:
-        staged.release()
-        raise
-    counts = getattr(result, "counts", None)
-    if counts is not None and hasattr(result, "data"):  # an uneven result: (data, counts)
-        return type(result)(staged.finish(result.data), counts)
-    return staged.finish(result)
-
-
-_STAGING: ContextVar["Staged | None"] = ContextVar("ahcomm_staging", default=None)
-
-
-def take_staging() -> "Staged | None":
-    """The device input being issued by a ``device_aware(sliced=True)`` collective, if its
-    copy to the host is still in flight (None otherwise). Taking it clears it, so no task
-    created afterwards (a worker, a stream) keeps it alive in its copy of the context."""
-    staged = _STAGING.get()
-    if staged is not None:
-        _STAGING.set(None)
-    return staged
-
-
-@overload
-def device_aware(method: F) -> F: ...
-@overload
-def device_aware(*, sliced: bool = False) -> Callable[[F], F]: ...
-
-
-def device_aware(method: F | None = None, *, sliced: bool = False) -> F | Callable[[F], F]:
-    """Let a collective ``method(self, x, ..., out=None, ...)`` take tensors and array-likes.
-
-    Host numpy arrays go straight through. Anything else is staged (``stage``), given to the
-    collective as numpy, and the result comes back as the caller's type on the caller's device
-    (``Staged.finish``). The input's device-to-host copy is waited for before the call, except
-    for a ``sliced`` method (``@device_aware(sliced=True)``): while it runs, ``take_staging()``
-    returns the ``Staged``, which the collective hands to the executor to wait slice by slice
-    (``Staged.ready``), so the copy of slice k+1 overlaps the communication of slice k.
-    """
-    if method is None:
-        return cast(Callable[[F], F], functools.partial(device_aware, sliced=sliced))
-
-    @functools.wraps(method)
-    def wrapper(self: Any, x: Any, *args: Any, out: Any = None, **kwargs: Any) -> Any:
-        if _is_host(x) and _is_host(out):
-            return method(self, x, *args, out=out, **kwargs)
-        from ._errors import InvalidArgument
-
-        try:
-            staged = stage(np.empty(0, np.uint8) if x is None else x, out)
-        except TypeError as exc:
-            raise InvalidArgument(f"{method.__name__}: {exc}") from None
-        overlap = sliced and staged.pending
-        if not overlap:
-            staged.wait()
-        host_out = staged.out_for(()) if out is not None else None
-        token = _STAGING.set(staged if overlap else None)
-        try:
-            future = method(self, staged.array if x is not None else None, *args, out=host_out, **kwargs)
-        except BaseException:
-            staged.release()
-            raise
-        finally:
-            _STAGING.reset(token)
-        return asyncio.ensure_future(_finished(future, staged))
-    return cast(F, wrapper)

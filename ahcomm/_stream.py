@@ -34,14 +34,12 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ._notify import Notify
+from ._trace import TaskFn as TaskFn  # a stream task; re-exported for the algorithms
 
 if TYPE_CHECKING:
     from ._trace import Tracer
 
 ENGINE_THRESHOLD = 256 * 1024
-
-TaskFn = Callable[[], "Awaitable[Any] | None"]
-
 
 class _Started:
     """A task whose awaitable was made at submission (the stream was idle) and awaits its turn."""
