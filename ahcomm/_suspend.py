@@ -106,6 +106,16 @@ def host_mailbox(comm: Suspendable) -> HostMailbox | None:
     return _host_mailboxes.get(comm)
 
 
+def buffer_spec(comm: Suspendable) -> tuple[bool, int]:
+    """(in shared memory, bytes of each) of ``comm``'s CCL buffers, released or not (``shrink``
+    of a communicator that failed while suspended makes its new ones alike)."""
+    state = _states.get(comm)
+    if comm._suspended and state is not None and state.nbytes:
+        return state.shared, state.nbytes
+    buffers = comm._executor.buffers
+    return buffers.in_shared_memory, buffers.nbytes
+
+
 def stats(comm: Suspendable) -> dict[str, Any]:
     state = _states.get(comm)
     return {"suspended": comm._suspended, "released_bytes": state.released if state else 0,
@@ -201,11 +211,16 @@ async def resume(comm: Suspendable, timeout: float | None) -> None:
         executor.buffers.release()
         if box is not None:
             box.close()
-        if isinstance(exc, TimeoutError):
+        if isinstance(exc, TimeoutError):  # the ranks are out of step now: the communicator fails on every rank
             missing = exchange.missing()
-            raise CollectiveTimeout(f"resume on rank {comm.rank} did not complete within {limit:g} s: no word from "
-                                    f"rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))} "
-                                    "(did every rank call resume?)", op="resume", missing=tuple(missing)) from None
+            error = CollectiveTimeout(f"resume on rank {comm.rank} did not complete within {limit:g} s: no word "
+                                      f"from rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))} "
+                                      "(did every rank call resume?)", op="resume", missing=tuple(missing))
+            comm._health.fail(error, tell=("timeout", str(error)))
+            raise error from None
+        if isinstance(exc, asyncio.CancelledError) and comm._health.error is None:
+            comm._health.fail(CommClosedError(f"communicator (rank {comm.rank}): its resume was cancelled"),
+                              tell=("abort", "its resume was cancelled"))
         raise
     executor.buffers.unlink()  # every peer maps them now: no name left to leak
     executor.bind()
@@ -289,7 +304,7 @@ class _Exchange:
 
     def __init__(self, comm: Suspendable, attempt: int) -> None:
         self.comm, self.attempt = comm, attempt
-        self.waiting: dict[int, asyncio.Future[Any]] = {}
+        self.waiting: list[int] = []  # the peers whose message of this round has not come yet
 
     async def round(self, number: int, msg: dict[str, Any]) -> dict[int, dict[str, Any]]:
         key = (0, -1 - 2 * self.attempt - number)  # negative: never a user's message
@@ -299,10 +314,19 @@ class _Exchange:
             sent = link.send_message(key, b"", payload)
             if sent is not None:
                 asyncio.ensure_future(sent).add_done_callback(_retrieved)
-        self.waiting = {peer: link.message(key) for peer, link in links.items()}
+        futures = {peer: link.message(key) for peer, link in links.items()}
+        self.waiting = list(futures)
         rows = {self.comm.rank: msg}
-        for peer, fut in self.waiting.items():
-            _, data = await fut
+        try:
+            for peer, fut in futures.items():
+                _, data = await fut
+                self.waiting.remove(peer)
+        except BaseException:
+            for fut in futures.values():  # not awaited any more: a failure set on them later is not an error
+                fut.add_done_callback(_retrieved)
+            raise
+        for peer, fut in futures.items():
+            _, data = fut.result()
             row = msgpack.unpackb(bytes(memoryview(data).cast("B")), raw=False)
             if not isinstance(row, dict):
                 raise TransportError(f"resume: rank {peer} sent an unreadable message")
@@ -310,4 +334,4 @@ class _Exchange:
         return rows
 
     def missing(self) -> list[int]:
-        return sorted(peer for peer, fut in self.waiting.items() if not fut.done())
+        return sorted(self.waiting)

@@ -122,6 +122,8 @@ class Executor:
         self._scratch = np.empty(0, np.uint8)
         self._resources.clear()
         self.mailbox = None
+        for stream in (self.main, *self.subs):
+            stream.on_error = None  # the last run's context (its views) goes too
 
     def scratch(self, nbytes: int) -> np.ndarray:
         """The reusable scratch region, at least ``nbytes`` long (pre-faulted when it grows)."""
