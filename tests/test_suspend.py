@@ -140,8 +140,9 @@ async def test_resume_on_one_rank_alone_times_out_naming_the_others() -> None:
         await asyncio.gather(*(c.close() for c in comms))
 
 
-async def test_suspend_refuses_on_every_rank_while_a_group_is_open() -> None:
-    comms = await _world(3)
+@pytest.mark.parametrize("transport", ["inproc", "sdma", "rdma"])
+async def test_suspend_refuses_on_every_rank_while_a_group_is_open(transport: str) -> None:
+    comms = await _world(3, transport)
     try:
         groups = await asyncio.gather(*(c.new_group([0, 1]) for c in comms))
         outcomes = await asyncio.gather(*(c.suspend() for c in comms), return_exceptions=True)
@@ -166,3 +167,20 @@ async def test_close_while_suspended() -> None:
     await _all(comms, "suspend")
     await asyncio.wait_for(asyncio.gather(*(c.close() for c in comms)), 30)
     assert all(c.closed for c in comms)
+
+
+@pytest.mark.parametrize("transport", ["sdma", "rdma"])
+async def test_a_shrunk_communicator_suspends_and_resumes(transport: str) -> None:
+    comms = await _world(3, transport)
+    try:
+        shrunk = await asyncio.gather(*(c.shrink(exclude=[2]) for c in comms[:2]))
+        assert all(s is not None for s in shrunk)
+        live = [s for s in shrunk if s is not None]
+        await _all(live, "suspend")
+        assert all(s.stats()["released_bytes"] == 2 * (1 << 16) for s in live)
+        await _all(live, "resume")
+        got = await asyncio.gather(*(s.all_reduce(np.arange(50000.0) * (s.rank + 1)) for s in live))
+        assert all(np.array_equal(x, np.arange(50000.0) * 3) for x in got)
+        await asyncio.gather(*(s.close() for s in live))
+    finally:
+        await asyncio.gather(*(c.close() for c in comms))
