@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _clock
+from . import _clock, _suspend
 from ._buffers import CclBuffers
 from ._comm import Comm
 from ._config import Config
@@ -170,8 +170,9 @@ async def create(config: Config | None = None, *, rank: int | None = None, world
                     mailbox=mailbox.capacity if mailbox is not None else 0)
 
     async def on_close() -> None:
-        if mbox is not None:
-            mbox.close()
+        box = _suspend.host_mailbox(comm)  # init's, or the one a resume made (none while suspended)
+        if box is not None:
+            box.close()
         if channel is not None:
             channel.close()
         buffers.close()
@@ -180,6 +181,7 @@ async def create(config: Config | None = None, *, rank: int | None = None, world
                 selector=Selector(REGISTRY, cfg.algo, cost_model), exec_timeout=cfg.exec_timeout,
                 on_close=on_close)
     comm._executor.mailbox = mailbox
+    _suspend.keep_mailbox(comm, mbox)
     tracing = _clock.tracer_of(comm) is not None
     if size > 1:
         single_copy = cfg.single_copy and all(link.single_copy for link in links.values())

@@ -315,3 +315,20 @@ class CclBuffers:
         self.unlink()
         self.ccl_in.close()
         self.ccl_out.close()
+
+    @property
+    def in_shared_memory(self) -> bool:
+        """Whether the regions are in shared memory (peers on this host map them by name)."""
+        return isinstance(self.ccl_in, SharedRegion)
+
+    def release(self) -> int:
+        """Close both regions and keep empty ones in their place (``Comm.suspend``: whoever holds
+        this object - links, channel - sees no memory until ``adopt``); the bytes released."""
+        nbytes = self.ccl_in.nbytes + self.ccl_out.nbytes
+        self.close()
+        self.ccl_in, self.ccl_out = LocalRegion(0), LocalRegion(0)
+        return nbytes
+
+    def adopt(self, other: "CclBuffers") -> None:
+        """Take ``other``'s regions (``Comm.resume``: new buffers where the old ones were)."""
+        self.ccl_in, self.ccl_out = other.ccl_in, other.ccl_out

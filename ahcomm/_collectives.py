@@ -280,12 +280,12 @@ class BlockedCollectives(FrontEnd):
     def _template(self, x: Any, out: np.ndarray | None, what: str, root: int) -> np.ndarray:
         """The root's data, or (elsewhere) an array giving the dtype and row shape."""
         if x is None and (self.rank == root or out is None):
-            self._check_open()
+            self._check_open(what)
             where = "at the root" if self.rank == root else "unless out= is given"
             raise InvalidArgument(f"{what}: x is required {where}")
         if x is None:
             assert out is not None
-            self._check_open()
+            self._check_open(what)
             self._input(out, what)
             if what == "scatter" and out.ndim:  # even blocks: the whole is size x out's rows (a view of nothing)
                 return np.broadcast_to(np.empty((), out.dtype), (out.shape[0] * self.size, *out.shape[1:]))

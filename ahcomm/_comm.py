@@ -43,13 +43,13 @@ from typing import Any, Self
 
 import numpy as np
 
-from . import _elastic, _flight, _groups
+from . import _elastic, _flight, _groups, _suspend
 from ._buffers import CclBuffers
 from ._collectives import BlockedCollectives, flat_view
 from ._core import Job, cancel_and_wait
 from ._device_calls import device_aware, take_staging
 from ._dtypes import ReduceOp, check_dtype, check_reduce, ufunc_for
-from ._errors import CommClosedError, InvalidArgument, check_timeout
+from ._errors import CommClosedError, CommSuspendedError, InvalidArgument, check_timeout
 from ._flight import FlightRecorder
 from ._health import Health, mark
 from ._objects import ObjectCollectives
@@ -100,6 +100,7 @@ class Comm(ThreadsafeCalls, BlockedCollectives, ObjectCollectives, PointToPoint)
         self._wakeup: asyncio.Future[None] | None = None
         self._closed = False
         self._closing = False  # close() passed its barrier: peers going away is expected
+        self._suspended = False  # suspend() released the CCL buffers (``_suspend``)
         self._running: Job | None = None  # the collective the executor is running
         self._started = 0.0  # loop time it started
         self._done_seq = -1  # last collective completed here
@@ -195,7 +196,7 @@ class Comm(ThreadsafeCalls, BlockedCollectives, ObjectCollectives, PointToPoint)
 
     def barrier(self, *, algorithm: str | None = None, timeout: float | None = None) -> "asyncio.Future[None]":
         """Wait until every rank has entered the barrier."""
-        self._check_open()
+        self._check_open("barrier")
         call = Call(op="barrier", seq=self._seq, dtype=np.dtype(np.uint8), count=0)
         empty = np.empty(0, np.uint8)
         return self._submit(call, empty, empty, None, None, algorithm, timeout=timeout)
@@ -246,6 +247,27 @@ class Comm(ThreadsafeCalls, BlockedCollectives, ObjectCollectives, PointToPoint)
         from . import _grow
         return await _grow.grow(self, timeout)
 
+    async def suspend(self, *, timeout: float | None = None) -> None:
+        """Release this communicator's CCL buffers and shared memory until ``resume`` (NCCL's
+        ncclCommSuspend: for idle services, RL-style sleep/wake). Every rank calls it, after
+        its collectives (it waits for those issued); meanwhile collectives and send/recv raise
+        ``CommSuspendedError``, and a lost peer still fails the communicator. It refuses, on
+        every rank, while a sub-communicator made from this one is open and not suspended
+        (suspend or close the groups first). ``stats()`` says how much was released.
+        ``timeout`` (default AHCOMM_EXEC_TIMEOUT) bounds the wait for the other ranks."""
+        await _suspend.suspend(self, timeout)
+
+    async def resume(self, *, timeout: float | None = None) -> None:
+        """New CCL buffers (and mailboxes) after ``suspend``, mapped by the peers again; every
+        rank calls it. A peer lost while suspended makes it raise that failure (``PeerFailure``).
+        ``timeout`` (default AHCOMM_EXEC_TIMEOUT) bounds the wait for the other ranks."""
+        await _suspend.resume(self, timeout)
+
+    @property
+    def suspended(self) -> bool:
+        """Whether ``suspend`` released the buffers (and ``resume`` has not restored them)."""
+        return self._suspended
+
     def _derive(self, members: tuple[int, ...], *, rank: int, links: dict[int, Link], buffers: CclBuffers,
                 topo: Topology, progress: Progress, label: str,
                 on_close: Callable[[], Awaitable[None]] | None = None, child: bool = True) -> Self:
@@ -260,13 +282,16 @@ class Comm(ThreadsafeCalls, BlockedCollectives, ObjectCollectives, PointToPoint)
         return comm
 
     # -- plumbing ---------------------------------------------------------------------------
-    def _check_open(self) -> None:
+    def _check_open(self, what: str = "") -> None:
         self._check_loop()
         if self._closed:
             raise CommClosedError(f"communicator (rank {self.rank}) is closed")
         error = self._health.error
         if error is not None:
             raise CommClosedError(f"communicator (rank {self.rank}) failed earlier: {error}") from error
+        if self._suspended:
+            raise CommSuspendedError(f"{what or 'call'}: communicator (rank {self.rank}) is suspended (its buffers "
+                                     "are released): await comm.resume() on every rank first", op=what or None)
 
     def _live(self) -> bool:
         return not self._closed and self._health.error is None
@@ -276,7 +301,7 @@ class Comm(ThreadsafeCalls, BlockedCollectives, ObjectCollectives, PointToPoint)
             raise InvalidArgument(f"{what}: root {root!r} is out of range for world size {self.size}")
 
     def _input(self, x: Any, what: str) -> tuple[np.ndarray, np.dtype]:
-        self._check_open()
+        self._check_open(what)
         arr = _as_array(x, f"{what} input")
         return arr, check_dtype(arr.dtype, f"{what} input")
 
@@ -473,9 +498,12 @@ class Comm(ThreadsafeCalls, BlockedCollectives, ObjectCollectives, PointToPoint)
     def stats(self) -> dict[str, Any]:
         """Per-link counters (kind, bytes moved: what went over sdma vs rdma) and, once, the counters
         of this rank's receiving endpoint (refused connections, rejected messages); ``single_copy``:
-        whether large one-host transfers read peers' user buffers in place (else they are staged)."""
+        whether large one-host transfers read peers' user buffers in place (else they are staged);
+        ``suspended`` and ``released_bytes``/``unmapped_bytes``: what the last ``suspend`` freed of this
+        rank's own memory and unmapped of its peers' shared memory."""
         return {"rank": self.rank, "size": self.size, "seq": self._seq, "single_copy": self.topology.single_copy,
-                "links": self._executor.link_stats(), "endpoint": self._executor.endpoint_stats()}
+                "links": self._executor.link_stats(), "endpoint": self._executor.endpoint_stats(),
+                **_suspend.stats(self)}
 
     def abort(self, reason: str = "aborted") -> None:
         """Fail every pending and later collective here at once, and tell every peer.

@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 import msgpack
 import numpy as np
 
+from . import _suspend
 from ._buffers import CclBuffers
 from ._errors import CollectiveTimeout, InvalidArgument, TransportError
 from .algorithms._executor import Progress
@@ -233,8 +234,7 @@ def _check_exclude(exclude: Iterable[int] | None, size: int) -> set[int]:
 
 def _make_buffers(comm: "Comm", gone: set[int]) -> CclBuffers:
     links = comm._executor.links
-    shared = comm._executor.buffers.ccl_in.name
-    nbytes = comm._executor.buffers.nbytes
+    shared, nbytes = _suspend.buffer_spec(comm)  # a communicator suspended when it failed has none now
     # not pre-faulted: making them would take most of a recovery (0.3 to 1 s for 2 x 64 MiB on a
     # busy host); the first collectives fault in the pages they use
     if shared and any(link.mapped for p, link in links.items() if p not in gone):

@@ -34,6 +34,15 @@ class CommClosedError(UsageError):
     """The communicator was closed (or aborted) before the call."""
 
 
+class CommSuspendedError(UsageError):
+    """The communicator is suspended (``Comm.suspend``): its CCL buffers are released, so no
+    collective or point-to-point call runs until ``Comm.resume``. ``op`` names the call refused."""
+
+    def __init__(self, message: str = "", *, op: str | None = None) -> None:
+        super().__init__(message)
+        self.op = op
+
+
 class WrongLoopError(UsageError, RuntimeError):
     """A communicator was called from an event loop (or a thread) other than its own.
 
@@ -109,7 +118,8 @@ class CollectiveMismatchError(CommunicationError):
 
 
 # Tracebacks name the public path (``ahcomm.PeerFailure``), not this private module.
-for _cls in (AhcommError, UsageError, InvalidArgument, InvalidDtype, CommClosedError, WrongLoopError, ConfigError,
+for _cls in (AhcommError, UsageError, InvalidArgument, InvalidDtype, CommClosedError, CommSuspendedError,
+             WrongLoopError, ConfigError,
              CommunicationError, ConnectError, TransportError, CollectiveTimeout, PeerFailure,
              CollectiveMismatchError):
     _cls.__module__ = "ahcomm"

@@ -74,7 +74,7 @@ class Parent(Members, Protocol):
     @property
     def _domains(self) -> Domains: ...
 
-    def _check_open(self) -> None: ...
+    def _check_open(self, what: str = "") -> None: ...
     def all_gather_object(self, obj: Any, *, timeout: float | None = None) -> asyncio.Future[list[Any]]: ...
     def _derive(self: P, members: tuple[int, ...], *, rank: int, links: dict[int, Link], buffers: CclBuffers,
                 topo: Topology, progress: Progress, label: str,
@@ -112,7 +112,7 @@ def _check_ranks(ranks: Any, size: int) -> tuple[int, ...]:
 async def split(parent: P, color: Any, key: Any = None, buffsize: int | None = None) -> P | None:
     """The sub-communicator of the parent's ranks that gave the same ``color`` (ordered by
     ``key``, then parent rank); None where ``color`` is None."""
-    parent._check_open()
+    parent._check_open("split")
     try:
         color, key = _check_color(color, key, parent.rank)
         nbytes = _check_buffsize(buffsize, parent)
@@ -124,7 +124,7 @@ async def split(parent: P, color: Any, key: Any = None, buffsize: int | None = N
 async def new_group(parent: P, ranks: Sequence[int], buffsize: int | None = None) -> P | None:
     """The sub-communicator of ``ranks`` (group rank i is ``ranks[i]``); None on other ranks.
     Every rank of the parent calls it with the same ``ranks``."""
-    parent._check_open()
+    parent._check_open("new_group")
     try:
         members = _check_ranks(ranks, parent.size)
         nbytes = _check_buffsize(buffsize, parent)

@@ -110,7 +110,7 @@ def _topology(rank: int, table: list[dict[str, Any]], links: dict[int, Link]) ->
 
 async def grow(comm: "Comm", timeout: float | None) -> "Comm":
     """The members' side: a communicator of the job's full world size with the replacements."""
-    comm._check_open()
+    comm._check_open("grow")
     cfg, _, size, port = _bootstrap._resolve_config(None, None, None, None, None)
     members = set(comm.world_ranks)
     me = comm.world_ranks[comm.rank]

@@ -53,7 +53,7 @@ class ObjectCollectives(FrontEnd):
     def broadcast_object(self, obj: Any = None, root: int = 0, *,
                          timeout: float | None = None) -> "asyncio.Future[Any]":
         """The root's ``obj`` on every rank (other ranks' ``obj`` is ignored)."""
-        self._check_open()
+        self._check_open("broadcast_object")
         self._check_root(root, "broadcast_object")
         payload = _encode(obj, "broadcast_object")[0] if self.rank == root else np.empty(0, _BYTES)
         length = self.broadcast(np.array([payload.size], np.int64), root, timeout=timeout)
@@ -71,14 +71,14 @@ class ObjectCollectives(FrontEnd):
 
     def all_gather_object(self, obj: Any, *, timeout: float | None = None) -> "asyncio.Future[list[Any]]":
         """Every rank's ``obj``, in rank order, on every rank."""
-        self._check_open()
+        self._check_open("all_gather_object")
         done = self.all_gather_v(_encode(obj, "all_gather_object")[0], timeout=timeout)
         return asyncio.ensure_future(self._decoded_list(done, "all_gather_object"))
 
     def gather_object(self, obj: Any, root: int = 0, *,
                       timeout: float | None = None) -> "asyncio.Future[list[Any] | None]":
         """Every rank's ``obj``, in rank order, at ``root`` (None elsewhere)."""
-        self._check_open()
+        self._check_open("gather_object")
         self._check_root(root, "gather_object")
         payload, error = _encode(obj, "gather_object")
         table = self.all_gather(np.array([payload.size, error is not None], np.int64), timeout=timeout)

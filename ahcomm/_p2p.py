@@ -89,7 +89,7 @@ class PointToPoint(FrontEnd):
         Into ``out``, or a new array of ``shape``/``dtype`` (checked against what was
         sent), or - given neither - of the sender's shape and dtype.
         """
-        self._check_open()
+        self._check_open("recv")
         timeout = check_timeout(timeout, "recv")
         if out is not None:
             if not isinstance(out, np.ndarray):
@@ -137,7 +137,7 @@ class PointToPoint(FrontEnd):
         return list(await asyncio.gather(*futures))
 
     def _peer_link(self, peer: int, what: str, tag: int) -> "Link":
-        self._check_open()
+        self._check_open(what)
         if not isinstance(peer, (int, np.integer)) or not 0 <= int(peer) < self.size:
             raise InvalidArgument(f"{what}: peer rank {peer!r} is out of range for world size {self.size}")
         if int(peer) == self.rank:

@@ -174,6 +174,7 @@ class Stream:
                 continue
             if self._error is not None:
                 _discard(fn)
+                del fn
                 continue  # skip work after a failure, up to the next synchronize()
             self._busy = True
             try:
@@ -184,6 +185,7 @@ class Stream:
                     raise
             finally:
                 self._busy = False
+                del fn  # not kept while idle: its views of the CCL buffers would keep them mapped (suspend)
 
     async def _execute(self, fn: TaskFn) -> None:
         """Run one task; a failure is kept for synchronize() (a cancellation also propagates)."""

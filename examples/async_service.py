@@ -5,6 +5,7 @@
     curl localhost:8100/total
     curl -X POST localhost:8102/shutdown                              # stops every replica
     ahcomm-run -n 3 python examples/async_service.py --port 0 --demo  # self-test: prints "... OK"
+    ahcomm-run -n 3 --on-failure restart python examples/async_service.py --survive --grow-after 2
 
 Every rank serves HTTP on its own port (``--port`` or ``SERVICE_PORT``, plus the rank; with
 ``--port 0`` each replica takes a free port and prints it: no clashes, for tests) with
@@ -39,6 +40,19 @@ Keep-alive: an idle service would leave the command loop's broadcast and rank 0'
 pending forever, past ``AHCOMM_EXEC_TIMEOUT``. So rank 0 broadcasts a ``tick`` after
 ``--heartbeat`` idle seconds and every replica answers a tick with a ``[PING, 0]`` message:
 nothing stays pending longer than one heartbeat.
+
+Surviving the loss of a replica (``--survive``; docs/elastic.md)
+-----------------------------------------------------------------
+Without it a replica's death ends the service (every other replica raises). With it, the
+survivors' failed collective (``PeerFailure``, within about half a second) makes them
+``shrink()`` to a communicator of themselves and go on: the lowest survivor decides, every
+replica re-announces what it is waiting for, and no /total request is lost. Each replica's
+counters live in its own memory, so the increments a dead replica had acknowledged die with
+it: the totals are the sums over the replicas alive. With ``--grow-after S`` (launch with
+``ahcomm-run --on-failure restart``, which starts the dead replica again) the deciding replica
+commands a ``grow()`` S seconds after the shrink; the restarted replica's ``ahcomm.init()``
+joins it, and it catches up on the cluster's state (counter names, round number) by
+``broadcast_object`` from a survivor. It then serves with counters of its own from zero.
 """
 
 from __future__ import annotations
@@ -63,8 +77,12 @@ MAX_BODY = 64 << 10
 
 
 class Replica:
-    def __init__(self, comm: ahcomm.Comm, counters: list[str], *, batch_s: float, heartbeat_s: float) -> None:
+    def __init__(self, comm: ahcomm.Comm, counters: list[str], *, batch_s: float, heartbeat_s: float,
+                 survive: bool = False, grow_after: float = 0.0) -> None:
         self.comm = comm
+        self.survive, self.grow_after = survive, grow_after
+        self.retired: list[ahcomm.Comm] = []  # communicators replaced by a shrink or a grow
+        self.grow_due: float | None = None  # loop time the decider commands a grow
         self.names = counters
         self.index = {name: i for i, name in enumerate(counters)}
         self.local = np.zeros(len(counters), np.int64)
@@ -79,21 +97,38 @@ class Replica:
         self.writers: set[asyncio.StreamWriter] = set()
         self.inflight = 0  # requests being answered (shutdown lets them finish)
         self.idle = asyncio.Event()
-        # rank 0 only: what the replicas asked for
-        self.wanted = [0] * comm.size
+        self.reset()
+
+    def reset(self) -> None:
+        """Rank 0's view of what the replicas asked for (a new communicator starts it afresh)."""
+        self.wanted = [0] * self.comm.size
         self.stop_wanted = False
         self.demand = asyncio.Event()
 
+    @property
+    def rank(self) -> int:
+        """This replica's rank in the job (its communicator's rank changes with a shrink)."""
+        return self.comm.world_ranks[self.comm.rank]
+
     # -- the command loop: every rank runs it; rank 0 decides ------------------------------
-    async def command_loop(self) -> None:
+    async def command_loop(self) -> bool:
+        """Run rank 0's commands until a stop (True) or a grow (False: run it again on the new
+        communicator); raises the communicator's failure."""
         comm = self.comm
         receivers = [asyncio.create_task(self._receive_from(p)) for p in range(1, comm.size)] if comm.rank == 0 else []
         try:
+            if self.waiters:  # asked for before a shrink or grow: rank 0 (perhaps another one) hears it again
+                await self._ask_rank0(WANT, self.want_id)
+            if self.stopping:
+                await self._ask_rank0(STOP, 0)
             while True:
                 if comm.rank == 0:
                     cmd = await comm.broadcast_object(await self._decide(), root=0)
                 else:
                     cmd = await comm.broadcast_object(None, root=0)
+                if cmd["cmd"] == "grow":
+                    await self.grow()
+                    return False
                 if cmd["cmd"] == "tick":
                     if comm.rank != 0:
                         await comm.send(np.array([PING, 0], np.int64), 0, tag=TAG)
@@ -113,20 +148,26 @@ class Replica:
                 self.waiters = keep
                 if cmd["cmd"] == "stop":
                     self.final = answer["totals"]
-                    return
+                    return True
         finally:
             for task in receivers:
                 task.cancel()
             await asyncio.gather(*receivers, return_exceptions=True)
-            for _, fut in self.waiters:
-                if not fut.done():
-                    fut.set_exception(ConnectionAbortedError("the service is stopping"))
+            if self.final is not None or not self.survive:
+                for _, fut in self.waiters:
+                    if not fut.done():
+                        fut.set_exception(ConnectionAbortedError("the service is stopping"))
 
     async def _decide(self) -> dict[str, Any]:
         """Rank 0: the next command - when someone wants a sum or a stop, else a tick per heartbeat."""
+        loop = asyncio.get_running_loop()
+        wait = self.heartbeat_s if self.grow_due is None else min(self.heartbeat_s, self.grow_due - loop.time())
         try:
-            await asyncio.wait_for(self.demand.wait(), self.heartbeat_s)
+            await asyncio.wait_for(self.demand.wait(), max(0.0, wait))
         except TimeoutError:
+            if self.grow_due is not None and loop.time() >= self.grow_due:
+                self.grow_due = None
+                return {"cmd": "grow"}
             return {"cmd": "tick"}
         if self.batch_s > 0 and not self.stop_wanted:
             await asyncio.sleep(self.batch_s)  # let concurrent /total requests join this round
@@ -152,7 +193,45 @@ class Replica:
                 self.stop_wanted = True
             self.demand.set()
         else:
-            await self.comm.send(np.array([kind, value], np.int64), 0, tag=TAG)
+            try:
+                await self.comm.send(np.array([kind, value], np.int64), 0, tag=TAG)
+            except ahcomm.AhcommError:
+                if not self.survive:
+                    raise  # (surviving: the command loop asks again once the communicator is mended)
+
+    # -- losing a replica, and taking a restarted one back (--survive) ---------------------
+    async def shrink(self, exc: BaseException) -> None:
+        """Every survivor: go on with the replicas alive (the lowest one decides from now on)."""
+        survivors = await self.comm.shrink()
+        assert survivors is not None
+        self.retired.append(self.comm)
+        self.comm = survivors
+        self.reset()
+        if self.grow_after > 0:
+            self.grow_due = asyncio.get_running_loop().time() + self.grow_after
+        print(f"replica {self.rank}: {type(exc).__name__}; serving on {survivors.size} replicas (world ranks "
+              f"{list(survivors.world_ranks)})", flush=True)
+
+    async def grow(self) -> None:
+        """Every member, at rank 0's command: take the restarted replica(s) back."""
+        grown = await self.comm.grow()
+        self.retired.append(self.comm)
+        self.comm = grown
+        self.reset()
+        await self.agree(True)
+        print(f"replica {self.rank}: grown back to {grown.size} replicas", flush=True)
+
+    async def agree(self, have_state: bool) -> None:
+        """The cluster's state (counter names, round number) from the lowest replica that has it
+        (a restarted one has none)."""
+        comm = self.comm
+        mine = comm.rank if have_state else comm.size
+        root = int((await comm.all_reduce(np.array([mine], np.int64), "min"))[0])
+        state = await comm.broadcast_object({"counters": self.names, "rounds": self.rounds}, root=root)
+        if not have_state:
+            self.names, self.rounds = list(state["counters"]), int(state["rounds"])
+            self.index = {name: i for i, name in enumerate(self.names)}
+            self.local = np.zeros(len(self.names), np.int64)
 
     async def total(self) -> dict[str, Any]:
         if self.stopping:
@@ -166,7 +245,7 @@ class Replica:
     # -- HTTP ---------------------------------------------------------------------------------
     async def route(self, method: str, path: str, body: bytes) -> tuple[int, Any]:
         self.requests += 1
-        rank = self.comm.rank
+        rank = self.rank
         if path == "/health":
             return 200, {"ok": True, "rank": rank}
         if path == "/local":
@@ -293,19 +372,38 @@ async def main() -> None:
                          "being served while a /total waits)")
     ap.add_argument("--heartbeat", type=float, default=10.0, help="idle seconds between keep-alive ticks")
     ap.add_argument("--demo", action="store_true", help="rank 0 runs a self-test client, then stops the service")
+    ap.add_argument("--survive", action="store_true", help="keep serving on the survivors when a replica dies")
+    ap.add_argument("--grow-after", type=float, default=0.0,
+                    help="with --survive under `ahcomm-run --on-failure restart`: seconds after a shrink when the "
+                         "survivors take the restarted replica back (0: never)")
     args = ap.parse_args()
     names = args.counters.split(",")
     if args.batch_ms is None:
         args.batch_ms = 200.0 if args.demo else 2.0
-    comm = await ahcomm.init()
-    async with comm:
-        rep = Replica(comm, names, batch_s=args.batch_ms / 1e3, heartbeat_s=args.heartbeat)
-        server = await asyncio.start_server(rep.handle, "127.0.0.1", args.port + comm.rank if args.port else 0)
+    restarted = int(os.environ.get("AHCOMM_RESTART_COUNT", "0") or 0) > 0  # ahcomm-run --on-failure restart
+    comm = await ahcomm.init()  # a restarted replica joins the running job here (once the others grow)
+    rep = Replica(comm, names, batch_s=args.batch_ms / 1e3, heartbeat_s=args.heartbeat, survive=args.survive,
+                  grow_after=args.grow_after)
+    try:
+        if restarted:
+            await rep.agree(False)  # the cluster's state, from a survivor
+        server = await asyncio.start_server(rep.handle, "127.0.0.1", args.port + rep.rank if args.port else 0)
         port = server.sockets[0].getsockname()[1]
-        print(f"replica {comm.rank}/{comm.size} listening on http://127.0.0.1:{port}", flush=True)
-        ports = await comm.all_gather_object(port)  # also: every replica is up before anyone relies on it
-        client = asyncio.create_task(demo(ports, names)) if args.demo and comm.rank == 0 else None
-        await rep.command_loop()
+        print(f"replica {rep.rank}/{comm.size} listening on http://127.0.0.1:{port}", flush=True)
+        if args.survive:
+            print(f"replica {rep.rank} pid {os.getpid()}", flush=True)
+        client = None
+        if not restarted:
+            ports = await comm.all_gather_object(port)  # also: every replica is up before anyone relies on it
+            client = asyncio.create_task(demo(ports, rep.names)) if args.demo and comm.rank == 0 else None
+        while True:
+            try:
+                if await rep.command_loop():
+                    break  # stopped
+            except (ahcomm.CommunicationError, ahcomm.CommClosedError) as exc:
+                if not args.survive:
+                    raise
+                await rep.shrink(exc)
         server.close()  # no new connections; requests under way get their answers (2 s at most)
         if rep.inflight:
             try:
@@ -316,10 +414,16 @@ async def main() -> None:
             await client
         for writer in list(rep.writers):
             writer.close()
-        print(f"replica {comm.rank}: served {rep.requests} requests, {rep.rounds} sync rounds, "
+        print(f"replica {rep.rank}: served {rep.requests} requests, {rep.rounds} sync rounds, "
               f"final totals {json.dumps(rep.final, sort_keys=True)}", flush=True)
-        if comm.rank == 0:
-            print(f"async_service: {comm.size} replicas stopped OK", flush=True)
+        if rep.comm.rank == 0:
+            print(f"async_service: {rep.comm.size} replicas stopped OK", flush=True)
+    except BaseException as exc:  # tell the other replicas why this one stops (they raise PeerFailure)
+        rep.comm.abort(f"{type(exc).__name__}: {exc}"[:2000])
+        raise
+    finally:
+        for old in (rep.comm, *reversed(rep.retired)):
+            await old.close()
 
 
 if __name__ == "__main__":

@@ -96,21 +96,34 @@ class Executor:
         self.buffers = buffers
         self.topo = topo
         self.progress = progress
-        self.half = buffers.nbytes // 2 // ALIGN * ALIGN
         self.tracer = Tracer.from_env(rank, size)  # AHCOMM_TRACE; None: off, and nothing is timed
         if self.tracer is not None:
             self.run = self.tracer.runner(self.run)  # type: ignore[method-assign, assignment]
         self.main = Stream("main", inline=True, tracer=self.tracer)
         self.subs: list[Stream] = []
-        h = self.half
-        # (offset, CCL_In half, CCL_Out half) used by collectives of even and of odd sequence number
-        self._halves = [(p, buffers.ccl_in.array[p:p + h], buffers.ccl_out.array[p:p + h]) for p in (0, h)]
+        self.bind()
         self._unmapped = [link for link in links.values() if not link.mapped]
         self._ctx: Context | None = None  # the run in progress (abort fails its local notifies)
         self._error: BaseException | None = None  # set by abort: no further slice starts
         self._scratch = np.empty(0, np.uint8)
         self._resources: dict[tuple[Any, ...], Resources] = {}
         self.mailbox: Mailboxes | None = None  # the host's mailboxes (set at init where ``topo.mailbox``)
+
+    def bind(self) -> None:
+        """Views of the CCL buffers' halves (at creation, and after ``Comm.resume`` renewed them)."""
+        buffers = self.buffers
+        self.half = h = buffers.nbytes // 2 // ALIGN * ALIGN
+        # (offset, CCL_In half, CCL_Out half) used by collectives of even and of odd sequence number
+        self._halves = [(p, buffers.ccl_in.array[p:p + h], buffers.ccl_out.array[p:p + h]) for p in (0, h)]
+
+    def release(self) -> None:
+        """Drop every view of the CCL buffers, the scratch region and the mailboxes (``Comm.suspend``)."""
+        self._halves = []
+        self._scratch = np.empty(0, np.uint8)
+        self._resources.clear()
+        self.mailbox = None
+        for stream in (self.main, *self.subs):
+            stream.on_error = None  # the last run's context (its views) goes too
 
     def scratch(self, nbytes: int) -> np.ndarray:
         """The reusable scratch region, at least ``nbytes`` long (pre-faulted when it grows)."""

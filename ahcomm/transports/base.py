@@ -16,6 +16,7 @@ and, on RDMA-like links, DataAck) and gives access to the peer's CCL buffers:
 * ``send_message(key, meta, data)`` / ``message(key)`` carry point-to-point messages
   (send/recv), outside the collectives' buffers: a message is matched by its key
   (user tag, per-pair sequence number), whether it arrives before or after it is asked for.
+  Negative sequence numbers are the communicator's own (``Comm.resume``'s exchange).
 
 The contract has three faces (Gloo's ``transport::Pair`` is the model of the first):
 
@@ -163,6 +164,8 @@ class Connection(Protocol):
     def describe_buffers(self, buffers: CclBuffers) -> dict[str, Any]: ...
     def child(self, domain: int, rank: int, peer: int, buffers: CclBuffers, peer_buffers: dict[str, Any],
               on_progress: ProgressHook | None) -> Link: ...
+    def unmap_peer_buffers(self) -> int: ...
+    def map_peer_buffers(self, peer_buffers: dict[str, Any]) -> None: ...
     def receiver(self) -> Endpoint | None: ...
     def stats(self) -> dict[str, Any]: ...
     def fail(self, error: BaseException) -> None: ...
@@ -338,6 +341,16 @@ class Link(ABC):
         """
         raise NotImplementedError(f"{self.kind} links cannot carry sub-communicators")
 
+    # -- suspend / resume ------------------------------------------------------------------
+    def unmap_peer_buffers(self) -> int:
+        """Drop whatever this link holds of the peer's CCL buffers (``Comm.suspend``: the peer
+        releases them); the bytes of shared memory unmapped here. Puts land in this rank's own
+        buffers through the ``CclBuffers`` object, which the communicator renews in place."""
+        return 0
+
+    def map_peer_buffers(self, peer_buffers: dict[str, Any]) -> None:
+        """Reach the peer's new CCL buffers, as its ``describe_buffers`` gave them (``Comm.resume``)."""
+
     # -- lifecycle ------------------------------------------------------------------------
     def close(self) -> None:
         """Release what the link owns (sockets, mappings)."""
@@ -377,6 +390,10 @@ class MappedAccess:
 
     def remote(self, buf: str) -> np.ndarray:
         return self._remote[BUFFER_IDS[buf]]
+
+    def unmap_peer_buffers(self) -> int:
+        self._remote = (np.empty(0, np.uint8), np.empty(0, np.uint8))
+        return 0
 
     def put(self, src: np.ndarray, buf: str, offset: int, seq: int, run: MemoryRunner) -> "Awaitable[Any] | None":
         data = as_bytes(src)

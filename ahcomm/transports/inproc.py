@@ -47,6 +47,11 @@ class InprocLink(MappedAccess, Link):
         return self.world.pair(domain, self.ends, InprocLink(rank, peer, self.world.imported(peer_buffers["token"]),
                                                              on_progress, self.world, self.ends))
 
+    def map_peer_buffers(self, peer_buffers: dict[str, Any]) -> None:
+        assert self.world is not None
+        buffers = self.world.imported(peer_buffers["token"])
+        self._remote = (buffers.ccl_in.array, buffers.ccl_out.array)
+
     def close(self) -> None:
         if self.world is not None:
             self.world.unpair(self)

@@ -56,6 +56,23 @@ class SdmaLink(MappedAccess, ZmqLink):
         return SdmaLink(rank, peer, self.channel, self.endpoint, shm_in, shm_out, nbytes, on_progress, self.pid,
                         parent=self, domain=domain)
 
+    def unmap_peer_buffers(self) -> int:
+        self._remote = (np.empty(0, np.uint8), np.empty(0, np.uint8))  # no view may keep the mapping
+        nbytes = sum(region.nbytes for region in self._regions)
+        for region in self._regions:
+            region.close()
+        return nbytes
+
+    def map_peer_buffers(self, peer_buffers: dict[str, Any]) -> None:
+        try:
+            shm_in, shm_out = (str(name) for name in peer_buffers["shm"])
+            nbytes = int(peer_buffers["buffsize"])
+        except (KeyError, TypeError, ValueError):
+            raise TransportError(f"sdma link {self.rank}->{self.peer}: the peer's new buffers are not in shared "
+                                 f"memory ({peer_buffers!r})") from None
+        self._regions = (SharedRegion.attach(shm_in, nbytes), SharedRegion.attach(shm_out, nbytes))
+        self._remote = (self._regions[0].array, self._regions[1].array)
+
     def read(self, dst: np.ndarray, addr: int, run: MemoryRunner) -> "Awaitable[Any] | None":
         self.bytes_received += dst.nbytes
         return run(self._read, dst, addr)
