@@ -26,6 +26,12 @@ store (Dekker's argument; the fence is a locked instruction): no wake-up is lost
 sleeper gets at most one per publication (not one per peer), and a rank that is not
 waiting gets none (no syscall, no event-loop callback). Wake-ups are level-triggered (a FIFO
 byte stays until it is read).
+
+A sub-communicator (``split``, ``new_group``) gets a mailbox of its own (``Mailbox.derive``):
+new boxes (``offer``: one per member, made where the host's boxes are made, found by the
+members through a small description), woken through the host's descriptors: a wake-up
+reaches every mailbox of the woken rank (``woken`` fans out), and a waiter that finds its
+flags still down simply sleeps again.
 """
 
 from __future__ import annotations
@@ -33,8 +39,8 @@ from __future__ import annotations
 import os
 import platform
 import threading
-from collections.abc import Callable
-from typing import Literal
+from collections.abc import Callable, Sequence
+from typing import Any, Literal, Protocol
 
 import numpy as np
 
@@ -136,12 +142,36 @@ def _words(region: np.ndarray, fmt: Literal["q", "I"]) -> "memoryview[int]":
     return region.data.cast("B").cast(fmt)
 
 
+class Box(Protocol):
+    """One box of a derived mailbox, as this rank holds it (made here, or a peer's mapped here)."""
+
+    @property
+    def array(self) -> np.ndarray: ...
+    def describe(self) -> dict[str, Any]: ...  # how the members find it (msgpack-able)
+    def unlink(self) -> None: ...  # every member holds it: its name may go
+    def close(self) -> None: ...
+
+
+class BoxStore(Protocol):
+    """Where the boxes of derived mailboxes live: shared memory on a host, arrays in one process."""
+
+    def create(self, nbytes: int) -> Box: ...
+    def open(self, description: dict[str, Any], nbytes: int) -> Box: ...
+
+
 class Mailbox:
     """This rank's view of the host's boxes: ``boxes[r]`` is rank r's (uint8, mapped here),
-    ``wakers[r]`` wakes rank r (None for this rank)."""
+    ``wakers[r]`` wakes rank r (None for this rank). ``store``, where set, makes the boxes of
+    derived mailboxes (``offer``, ``derive``)."""
 
-    def __init__(self, rank: int, boxes: list[np.ndarray], wakers: list[Waker | None], capacity: int) -> None:
+    def __init__(self, rank: int, boxes: list[np.ndarray], wakers: list[Waker | None], capacity: int,
+                 store: BoxStore | None = None) -> None:
         self.rank = rank
+        self.store = store
+        self._wakers = wakers
+        self._children: list[Mailbox] = []  # derived mailboxes: woken through this one's descriptor
+        self._parent: Mailbox | None = None
+        self._owned: list[Box] = []  # a derived mailbox's peers' boxes (closed with it)
         self.size = len(boxes)
         self.capacity = capacity
         self.tick = 0  # publications so far (the same count on every rank: they publish in step)
@@ -218,9 +248,93 @@ class Mailbox:
         return self._data[owner][slot][:self._meta[owner][slot][1]]
 
     def woken(self) -> None:
-        """Called by the wake-up descriptor's reader (or a peer in this process)."""
+        """Called by the wake-up descriptor's reader (or a peer in this process); every derived
+        mailbox hears it too (the rank's descriptor is shared: a waiter not concerned looks at
+        its flags and sleeps again)."""
         if self.on_wake is not None:
             self.on_wake()
+        for child in self._children:
+            child.woken()
+
+    # -- derived mailboxes (sub-communicators) --------------------------------------------------
+    def offer(self) -> Box | None:
+        """This rank's box for a derived mailbox (None: no store here); its ``describe()``
+        goes to the other members, then ``derive``."""
+        return self.store.create(box_bytes(self.capacity)) if self.store is not None else None
+
+    def derive(self, members: Sequence[int], mine: Box, descriptions: Sequence[dict[str, Any]]) -> "Mailbox":
+        """The mailbox of the sub-communicator of ``members`` (ranks of this one, in its order):
+        ``mine`` from ``offer``, ``descriptions[i]`` member i's ``describe()``. Woken through
+        this one's descriptors; ``close`` unmaps the peers' boxes (``mine`` stays the caller's)."""
+        assert self.store is not None
+        nbytes = box_bytes(self.capacity)
+        opened: list[Box] = []
+        boxes: list[np.ndarray] = []
+        try:
+            for p, desc in zip(members, descriptions, strict=True):
+                if p == self.rank:
+                    boxes.append(mine.array)
+                else:
+                    opened.append(self.store.open(desc, nbytes))
+                    boxes.append(opened[-1].array)
+        except BaseException:
+            for box in opened:
+                box.close()
+            raise
+        child = Mailbox(list(members).index(self.rank), boxes, [self._wakers[p] for p in members], self.capacity,
+                        self.store)
+        child.spin = Spin(self.spin.budget)  # the host's ranks and cores, not the group's, say whether to spin
+        child._parent, child._owned = self, opened
+        self._children.append(child)
+        return child
+
+    def close(self) -> None:
+        """A derived mailbox: no more wake-ups, its boxes unmapped (the host's is closed by its
+        maker)."""
+        self.closed = True
+        self.on_wake = None
+        for child in list(self._children):
+            child.close()
+        if self._parent is not None and self in self._parent._children:
+            self._parent._children.remove(self)
+        self._asleep, self._head, self._meta, self._data, self._others, self._peers = [], [], [], [], [], []
+        owned, self._owned = self._owned, []
+        for box in owned:
+            box.close()
+
+
+class _ArrayBox:
+    """A box in plain memory, found by the other ranks of the process by its token."""
+
+    def __init__(self, store: "_ArrayStore", token: int, array: np.ndarray) -> None:
+        self.store, self.token, self.array = store, token, array
+
+    def describe(self) -> dict[str, Any]:
+        return {"token": self.token}
+
+    def unlink(self) -> None:
+        self.store.boxes.pop(self.token, None)
+
+    def close(self) -> None:
+        self.unlink()
+
+
+class _ArrayStore:
+    """Derived boxes of ranks that share one process."""
+
+    def __init__(self) -> None:
+        self.boxes: dict[int, np.ndarray] = {}
+        self.tokens = 0
+
+    def create(self, nbytes: int) -> Box:
+        self.tokens += 1
+        self.boxes[self.tokens] = array = np.zeros(nbytes, np.uint8)
+        return _ArrayBox(self, self.tokens, array)
+
+    def open(self, description: dict[str, Any], nbytes: int) -> Box:
+        array = self.boxes[int(description["token"])]
+        assert array.nbytes == nbytes
+        return _ArrayBox(self, -1, array)
 
 
 class InprocMailboxes:
@@ -230,7 +344,8 @@ class InprocMailboxes:
         boxes = [np.zeros(box_bytes(capacity), np.uint8) for _ in range(size)]
         self.boxes: list[Mailbox] = []
         wakers: list[Waker | None] = [lambda r=r: self.boxes[r].woken() for r in range(size)]  # type: ignore[misc]
-        self.boxes = [Mailbox(r, boxes, [None if p == r else wakers[p] for p in range(size)], capacity)
+        store = _ArrayStore()
+        self.boxes = [Mailbox(r, boxes, [None if p == r else wakers[p] for p in range(size)], capacity, store)
                       for r in range(size)]
         for box in self.boxes:
             box.spin = Spin(0.0)  # one event loop: a spinning rank would keep its peers from running
