@@ -173,7 +173,7 @@ async def _create(parent: P, color: int | None, key: int, members: tuple[int, ..
     broken: Exception | None = None  # this rank could not make its buffers (/dev/shm full): every rank hears it
     try:
         buffers = _make_buffers(parent, group, nbytes) if group else None
-        offer = _offer(parent, group)
+        offer = offer_box(parent._executor.mailbox, len(group))
     except Exception as exc:  # noqa: BLE001 - raised here after the status round, named on every rank
         broken = exc
     try:
@@ -211,22 +211,22 @@ async def _create(parent: P, color: int | None, key: int, members: tuple[int, ..
     return _comm(parent, group, rank, opened, buffers, progress, domain, mailbox, offer)
 
 
-def _offer(parent: Parent, group: tuple[int, ...]) -> Box | None:
-    """This rank's box for the group's mailbox, where the parent has the host's mailboxes."""
-    box = parent._executor.mailbox
-    if len(group) < 2 or not isinstance(box, Mailbox):
+def offer_box(mailbox: object, members: int) -> Box | None:
+    """This rank's box for the mailbox of a communicator of ``members`` ranks made from one
+    with the host's mailboxes (``mailbox``: its executor's); shrink uses it too."""
+    if members < 2 or not isinstance(mailbox, Mailbox):
         return None
-    return box.offer()
+    return mailbox.offer()
 
 
-def _derive_mailbox(parent: Parent, group: tuple[int, ...], rows: list[list[Any]], offer: Box | None) -> Mailbox | None:
-    """The group's mailbox, where every member offered a box (decided from the rows alike on
-    every member)."""
-    box = parent._executor.mailbox
-    descriptions = [rows[p][1].get("mailbox") for p in group]
-    if offer is None or not isinstance(box, Mailbox) or not all(isinstance(d, dict) for d in descriptions):
+def derive_mailbox(mailbox: object, group: tuple[int, ...], abouts: list[Any], offer: Box | None) -> Mailbox | None:
+    """The group's mailbox derived from ``mailbox`` (the parent's), where every member offered a
+    box (``abouts[i]``: member i's description; decided from them alike on every member)."""
+    descriptions = [about.get("mailbox") if isinstance(about, dict) else None for about in abouts]
+    if offer is None or not isinstance(mailbox, Mailbox):
         return None
-    return box.derive(group, offer, descriptions)
+    found = [d for d in descriptions if isinstance(d, dict)]
+    return mailbox.derive(group, offer, found) if len(found) == len(group) else None
 
 
 async def _open(parent: Parent, group: tuple[int, ...], rank: int, buffers: CclBuffers | None,
@@ -259,7 +259,7 @@ async def _open(parent: Parent, group: tuple[int, ...], rank: int, buffers: CclB
                     assert buffers is not None and progress is not None
                     opened[g] = parent._executor.links[p].child(domain, rank, g, buffers, rows[p][1],
                                                                 progress.reached)
-            mailbox = _derive_mailbox(parent, group, rows, offer)
+            mailbox = derive_mailbox(parent._executor.mailbox, group, [rows[p][1] for p in group], offer)
         except DomainInUse:
             status = COLLISION
         except Exception as exc:  # noqa: BLE001 - told to every rank below

@@ -2,7 +2,8 @@
 
 Two groups (even and odd ranks) run 300 oneshot calls each (all_reduce, broadcast, barrier,
 all_gather, checked) while the parent runs its own; the group's mailbox is a shared-memory
-one woken through the host's FIFOs.
+one woken through the host's FIFOs. Then the last rank is shrunk away and the survivors
+run 50 oneshot all_reduces on theirs.
 """
 
 from __future__ import annotations
@@ -34,7 +35,14 @@ async def main() -> None:
         parent = await beside
         assert list(parent) == [comm.size * i, sum(range(comm.size))], parent
     await group.close()
+    shrunk = await comm.shrink(exclude=[comm.size - 1])  # the survivors' mailbox: derived from the host's
     await comm.close()
+    if shrunk is not None:
+        assert shrunk.explain("all_reduce", 2)[0] == "oneshot"
+        for i in range(50):
+            got = await shrunk.all_reduce(np.array([i + shrunk.rank], np.int64))
+            assert got[0] == shrunk.size * i + sum(range(shrunk.size)), got
+        await shrunk.close()
     print(f"OK rank {comm.rank} group {name} {calls} calls", flush=True)
 
 

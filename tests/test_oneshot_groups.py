@@ -130,3 +130,38 @@ def test_groups_of_a_real_job_run_oneshot_in_shared_memory() -> None:
     assert not left_behind(before), "shared-memory names were left behind"
     for r in range(4):
         assert re.search(rf"\[{r}\] OK rank {r} group oneshot 300 calls", out), out
+
+
+@pytest.mark.parametrize("size", [3, 6])
+async def test_matrix_on_a_shrunk_communicator(size: int, rng: np.random.Generator) -> None:
+    """shrink (rank 1 excluded) derives the survivors' mailbox from the old one's; the old
+    communicator may close first."""
+    todo = cases(rng, size - 1)
+
+    async def body(comm: ahcomm.Comm) -> list[Any] | None:
+        new = await comm.shrink(exclude=[1])
+        await comm.close()  # the failed-old-first order of a recovery: the new one keeps its mailbox
+        if new is None:
+            return None
+        try:
+            assert new.explain("all_reduce", 2)[0] == "oneshot"
+            return [await issue(new, case) for case in todo]
+        finally:
+            await new.close()
+
+    comms = await ahcomm.init_inprocess(size)
+    try:
+        results = await asyncio.wait_for(asyncio.gather(*(body(c) for c in comms)), 60)
+    finally:
+        await asyncio.gather(*(c.close() for c in comms), return_exceptions=True)
+    assert results[1] is None
+    survivors = [r for r in range(size) if r != 1]
+    for k, case in enumerate(todo):
+        for g, rank in enumerate(survivors):
+            expected = want(case, g, size - 1)
+            got = results[rank]
+            assert got is not None
+            if expected is None:
+                assert got[k] is None
+            else:
+                assert_close(got[k].reshape(-1), expected)
