@@ -165,3 +165,21 @@ async def test_matrix_on_a_shrunk_communicator(size: int, rng: np.random.Generat
                 assert got[k] is None
             else:
                 assert_close(got[k].reshape(-1), expected)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("n", [2, 3])
+def test_ranks_that_share_a_core_yield_and_stay_correct(n: int) -> None:
+    """Pinned to fewer cores than ranks (n on one core: n = 2 yields, n = 3 sleeps at once)."""
+    import subprocess
+
+    from jobs import job_argv, job_env
+    core = min(os.sched_getaffinity(0))
+    proc = subprocess.run(job_argv(n, str(HERE / "mp_oneshot_yield.py")),
+                          env=job_env({"PYTHONPATH": f"{HERE}{os.pathsep}{ROOT}", "AHCOMM_TRANSPORT": "sdma"}),
+                          capture_output=True, text=True, timeout=240, cwd=ROOT,
+                          preexec_fn=lambda: os.sched_setaffinity(0, {core}))
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    for r in range(n):
+        assert re.search(rf"\[{r}\] OK rank {r} yields {n == 2} budget {200 if n == 2 else 0} us", out), out

@@ -20,6 +20,7 @@ lost or an abort fails the run's wake-up notify, so a waiting rank raises at onc
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 
 import numpy as np
@@ -127,6 +128,7 @@ async def _arrivals(ctx: Context, tick: int) -> None:
     pending = [p for p in range(ctx.size) if p != ctx.rank]
     flag = None
     spin = box.spin.allowed()
+    yields = spin and box.spin.yields
     deadline = 0.0
     net: asyncio.TimerHandle | None = None
     try:
@@ -149,6 +151,8 @@ async def _arrivals(ctx: Context, tick: int) -> None:
                     deadline = time.perf_counter() + spin
                     continue
                 if time.perf_counter() < deadline:
+                    if yields:
+                        os.sched_yield()
                     continue
                 box.spin.result(False)
                 spin = 0.0
