@@ -243,6 +243,16 @@ def test_yielding_spin_only_where_ranks_share_cores_two_to_one(monkeypatch: pyte
     assert policies[4].budget == pytest.approx(mailbox.YIELD_US * 1e-6)
     monkeypatch.setenv("AHCOMM_YIELD_US", "0")
     assert mailbox.spin_policy(4).budget == 0.0 and mailbox.spin_policy(2).budget > 0
+    calm, busy = mailbox.Spin(200e-6, yields=True), mailbox.Spin(200e-6, yields=True)
+    for i in range(40 * mailbox.Spin.GIVE_UP):  # 3 hits in 4 looks: never rests
+        assert calm.allowed() > 0
+        calm.result(i % 4 != 0)
+    for i in range(4 * mailbox.Spin.GIVE_UP):  # 1 in 2 (a host busy with other work): it rests
+        if busy.allowed() == 0.0:
+            break
+        busy.result(i % 2 == 0)
+    else:
+        raise AssertionError("a yielding spin that misses every other time never rests")
     monkeypatch.setenv("AHCOMM_YIELD_US", "soon")
     with pytest.raises(ahcomm.ConfigError, match="AHCOMM_YIELD_US"):
         mailbox.spin_policy(4)
