@@ -31,7 +31,7 @@ from __future__ import annotations
 import asyncio
 import random
 import weakref
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -403,7 +403,8 @@ def _finish(s: _Session) -> "Comm":
     # Not one of old's children: closing the failed old communicator keeps the new one.
     new = old._derive(members, rank=rank, links=links, buffers=buffers, topo=sub_topo, progress=s.progress,
                       label=f"s{s.domain}", child=False)
-    share_connections(old, new, links, buffers, channel_of(old), mailbox, offer)
+    share_connections(old, new, links, buffers, channel_of(old),
+                      tuple(x.close for x in (mailbox, offer) if x is not None))
     new._executor.mailbox = mailbox
     _shrunk.add(new)
     s.links, s.mailbox, s.offer = {}, None, None  # the new communicator owns them now
@@ -435,10 +436,10 @@ def channel_of(comm: "Comm") -> Any:
 
 
 def share_connections(old: "Comm", new: "Comm", links: dict[int, Link], buffers: CclBuffers,
-                      channel: Any = None, mailbox: Mailbox | None = None, box: Box | None = None) -> None:
-    """The new communicator rides on the old one's connections (and host mailboxes: ``mailbox``
-    is derived from them, ``box`` its own box there): whichever of the two closes last releases
-    them (the old one's own close), so closing the failed old one first is fine."""
+                      channel: Any = None, closers: tuple[Callable[[], None], ...] = ()) -> None:
+    """The new communicator rides on the old one's connections: whichever of the two closes last
+    releases them (the old one's own close), so closing the failed old one first is fine.
+    ``closers``: what the new one releases on its own (its mailbox)."""
     if channel is not None:
         remember_channel(new, channel)
     release = old._on_close
@@ -455,10 +456,8 @@ def share_connections(old: "Comm", new: "Comm", links: dict[int, Link], buffers:
     async def close_new() -> None:
         for link in links.values():
             link.close()
-        if mailbox is not None:
-            mailbox.close()
-        if box is not None:
-            box.close()
+        for close in closers:
+            close()
         buffers.close()
         await closed("new")
 
