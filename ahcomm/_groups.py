@@ -27,6 +27,7 @@ the second round and mapped before the third), so its small calls run ``oneshot`
 from __future__ import annotations
 
 import asyncio
+import logging
 import random
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Protocol, TypeVar
@@ -173,9 +174,10 @@ async def _create(parent: P, color: int | None, key: int, members: tuple[int, ..
     broken: Exception | None = None  # this rank could not make its buffers (/dev/shm full): every rank hears it
     try:
         buffers = _make_buffers(parent, group, nbytes) if group else None
-        offer = offer_box(parent._executor.mailbox, len(group))
     except Exception as exc:  # noqa: BLE001 - raised here after the status round, named on every rank
         broken = exc
+    if buffers is not None:
+        offer = offer_box(parent._executor.mailbox, len(group))
     try:
         # what each kind of link needs (sdma: shared-memory names); None: this rank has no buffers
         about: dict[str, Any] | None = None if broken is not None else {}
@@ -216,7 +218,11 @@ def offer_box(mailbox: object, members: int) -> Box | None:
     with the host's mailboxes (``mailbox``: its executor's); shrink uses it too."""
     if members < 2 or not isinstance(mailbox, Mailbox):
         return None
-    return mailbox.offer()
+    try:
+        return mailbox.offer()
+    except Exception as exc:  # noqa: BLE001 - /dev/shm full: the communicator runs without mailboxes
+        logging.getLogger("ahcomm").warning("no mailbox for the new communicator's small collectives (%s)", exc)
+        return None
 
 
 def derive_mailbox(mailbox: object, group: tuple[int, ...], abouts: list[Any], offer: Box | None) -> Mailbox | None:

@@ -183,3 +183,22 @@ def test_ranks_that_share_a_core_yield_and_stay_correct(n: int) -> None:
     assert proc.returncode == 0, out
     for r in range(n):
         assert re.search(rf"\[{r}\] OK rank {r} yields {n == 2} budget {200 if n == 2 else 0} us", out), out
+
+
+async def test_a_member_without_room_for_its_box_leaves_the_group_without_mailboxes() -> None:
+    """One rank's box cannot be made (/dev/shm full): every member decides alike, from the
+    descriptions, to run the group without mailboxes; the group works."""
+    comms = await ahcomm.init_inprocess(3)
+
+    def full() -> None:
+        raise OSError(28, "No space left on device")
+
+    comms[1]._executor.mailbox.offer = full  # type: ignore[union-attr,method-assign]
+    groups = await asyncio.gather(*(c.split(0) for c in comms))
+    try:
+        assert all(g is not None and g.explain("all_reduce", 2)[0] != "oneshot" for g in groups)
+        got = await asyncio.gather(*(g.all_reduce(np.ones(2, np.float32)) for g in groups if g is not None))
+        assert all(np.array_equal(x, [3, 3]) for x in got)
+    finally:
+        await asyncio.gather(*(g.close() for g in groups if g is not None), return_exceptions=True)
+        await asyncio.gather(*(c.close() for c in comms), return_exceptions=True)
