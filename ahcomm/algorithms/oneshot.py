@@ -11,6 +11,10 @@ from the slots - in one task, with no step, notify or stream between.
 * broadcast - the root publishes its input, the others a header only, and copy the root's;
 * barrier - a header only.
 
+A waiter whose peers are not all there polls the flags for a while (``Spin``: busy where every
+rank of the host has a core, yielding its core between looks where they share cores two to
+one), then marks itself asleep and waits for a wake-up.
+
 Every rank hears from every peer in every run (``exchanges``), so finishing a call proves
 every peer started it, as for the executor's all-dependent ops. Every peer's fingerprint is
 checked against this call's (a mismatch fails the communicator, naming both calls). A peer

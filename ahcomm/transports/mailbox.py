@@ -324,8 +324,8 @@ class Mailbox:
         return child
 
     def close(self) -> None:
-        """A derived mailbox: no more wake-ups, its boxes unmapped (the host's is closed by its
-        maker)."""
+        """No more wake-ups for this mailbox and every one derived from it, their views dropped;
+        a derived one unmaps its peers' boxes (the host's boxes are closed by their maker)."""
         self.closed = True
         self.on_wake = None
         for child in list(self._children):
