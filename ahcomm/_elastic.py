@@ -31,7 +31,7 @@ from __future__ import annotations
 import asyncio
 import random
 import weakref
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -41,9 +41,11 @@ import numpy as np
 from . import _suspend
 from ._buffers import CclBuffers
 from ._errors import CollectiveTimeout, InvalidArgument, TransportError
+from ._groups import derive_mailbox, offer_box
 from .algorithms._executor import Progress
 from .algorithms.base import Topology
 from .transports.base import MAX_DOMAIN, DomainInUse, Link, LinkEvents
+from .transports.mailbox import Box, Mailbox
 
 if TYPE_CHECKING:
     from ._comm import Comm
@@ -150,6 +152,8 @@ class _Session:
     sent: tuple[tuple[int, ...], int] | None = None  # as coordinator: (members, domain) of the last decision
     oks: dict[int, str | None] = field(default_factory=dict)
     collided: int = 0
+    offer: Box | None = None  # this rank's box for the new communicator's mailbox (``_groups.offer_box``)
+    mailbox: Mailbox | None = None  # the new communicator's, derived with the links
 
     def wake(self) -> None:
         self.event.set()
@@ -175,6 +179,9 @@ class _Session:
             link.close()
         self.links = {}
         self.decision = None
+        if self.mailbox is not None:
+            self.mailbox.close()
+            self.mailbox = None
 
 
 async def shrink(comm: "Comm", exclude: Iterable[int] | None, timeout: float | None) -> "Comm | None":
@@ -198,8 +205,10 @@ async def shrink(comm: "Comm", exclude: Iterable[int] | None, timeout: float | N
     about: dict[str, Any] = {}
     for link in {type(link): link for p, link in comm._executor.links.items() if p not in gone}.values():
         about.update(link.describe_buffers(buffers))
+    offer = offer_box(comm._executor.mailbox, comm.size - len(gone))
+    about["mailbox"] = offer.describe() if offer is not None else None
     join = {"t": "join", "dom": comm._domains.reserve(), "about": about}
-    session = _Session(comm, gen, gone, join, buffers)
+    session = _Session(comm, gen, gone, join, buffers, offer=offer)
     hooks.sessions[gen] = session
     session.inbox.extend(hooks.early.pop(gen, ()))
     try:
@@ -217,6 +226,8 @@ async def shrink(comm: "Comm", exclude: Iterable[int] | None, timeout: float | N
         del hooks.sessions[gen]
         if not session.finished:
             buffers.close()
+            if offer is not None:
+                offer.close()
 
 
 def _check_exclude(exclude: Iterable[int] | None, size: int) -> set[int]:
@@ -319,6 +330,8 @@ def _open(s: _Session, members: tuple[int, ...], domain: int) -> str | None:
             if p != s.me:
                 s.links[g] = s.comm._executor.links[p].child(domain, rank, g, s.buffers, s.joins[p]["about"],
                                                              s.progress.reached)
+        s.mailbox = derive_mailbox(s.comm._executor.mailbox, members,
+                                   [s.join["about"] if p == s.me else s.joins[p]["about"] for p in members], s.offer)
     except DomainInUse:
         return "collision"
     except Exception as exc:  # noqa: BLE001 - told to the coordinator
@@ -370,20 +383,28 @@ def _decide(s: _Session, members: tuple[int, ...], domain: int) -> None:
 
 def _finish(s: _Session) -> "Comm":
     """The new communicator on the links opened for the decision everyone accepted."""
-    old, members, links, buffers = s.comm, s.members, s.links, s.buffers
+    old, members, links, buffers, mailbox, offer = s.comm, s.members, s.links, s.buffers, s.mailbox, s.offer
     assert s.progress is not None
     buffers.unlink()  # every member has mapped them
+    if offer is not None:
+        offer.unlink()
+        if mailbox is None:  # not every member offered one
+            offer.close()
+            offer = None
     rank = members.index(old.rank)
     topo = old.topology
     kinds = tuple("self" if p == old.rank else topo.link_kinds[p] for p in members)
     sub_topo = Topology(rank=rank, size=len(members), hosts=tuple(topo.hosts[p] for p in members), link_kinds=kinds,
-                        all_mapped=all(link.mapped for link in links.values()), single_copy=topo.single_copy)
+                        all_mapped=all(link.mapped for link in links.values()), single_copy=topo.single_copy,
+                        mailbox=mailbox.capacity if mailbox is not None else 0)
     # Not one of old's children: closing the failed old communicator keeps the new one.
     new = old._derive(members, rank=rank, links=links, buffers=buffers, topo=sub_topo, progress=s.progress,
                       label=f"s{s.domain}", child=False)
-    share_connections(old, new, links, buffers, channel_of(old))
+    share_connections(old, new, links, buffers, channel_of(old),
+                      tuple(x.close for x in (mailbox, offer) if x is not None))
+    new._executor.mailbox = mailbox
     _shrunk.add(new)
-    s.links = {}  # the new communicator owns them now
+    s.links, s.mailbox, s.offer = {}, None, None  # the new communicator owns them now
     s.finished = True
     return new
 
@@ -412,9 +433,10 @@ def channel_of(comm: "Comm") -> Any:
 
 
 def share_connections(old: "Comm", new: "Comm", links: dict[int, Link], buffers: CclBuffers,
-                      channel: Any = None) -> None:
+                      channel: Any = None, closers: tuple[Callable[[], None], ...] = ()) -> None:
     """The new communicator rides on the old one's connections: whichever of the two closes last
-    releases them (the old one's own close), so closing the failed old one first is fine."""
+    releases them (the old one's own close), so closing the failed old one first is fine.
+    ``closers``: what the new one releases on its own (its mailbox)."""
     if channel is not None:
         remember_channel(new, channel)
     release = old._on_close
@@ -431,6 +453,8 @@ def share_connections(old: "Comm", new: "Comm", links: dict[int, Link], buffers:
     async def close_new() -> None:
         for link in links.values():
             link.close()
+        for close in closers:
+            close()
         buffers.close()
         await closed("new")
 

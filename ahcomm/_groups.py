@@ -18,11 +18,16 @@ largest number proposed; each rank reserves its proposals, so creations in fligh
 never agree on the same number. Two creations from *overlapping* communicators issued in
 different orders can still meet on one connection; the rank that finds its domain taken
 says so in the last round, and the creation tries again with a fresh domain.
+
+Where the parent has the host's mailboxes (every rank on one host), a group of more than
+one rank gets a mailbox of its own (``Mailbox.derive``: a new box per member, described in
+the second round and mapped before the third), so its small calls run ``oneshot`` too.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import random
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Protocol, TypeVar
@@ -35,6 +40,7 @@ from ._errors import InvalidArgument, TransportError, UsageError
 from .algorithms._executor import Executor, Progress
 from .algorithms.base import Topology
 from .transports.base import MAX_DOMAIN, DomainInUse, Link
+from .transports.mailbox import Box, Mailbox
 
 SMALL_BUFFERS = 4096  # bytes of CCL_In/CCL_Out of a one-rank group (it never communicates)
 MIN_BUFFSIZE = 1024  # bytes of each CCL buffer of a group, at least (AHCOMM_BUFFSIZE's floor)
@@ -164,11 +170,14 @@ async def _create(parent: P, color: int | None, key: int, members: tuple[int, ..
         group = tuple(p for _, p in sorted((int(row[1]), p) for p, row in enumerate(rows) if row[0] == color))
     rank = group.index(parent.rank) if group else -1
     buffers: CclBuffers | None = None
+    offer: Box | None = None
     broken: Exception | None = None  # this rank could not make its buffers (/dev/shm full): every rank hears it
     try:
         buffers = _make_buffers(parent, group, nbytes) if group else None
     except Exception as exc:  # noqa: BLE001 - raised here after the status round, named on every rank
         broken = exc
+    if buffers is not None:
+        offer = offer_box(parent._executor.mailbox, len(group))
     try:
         # what each kind of link needs (sdma: shared-memory names); None: this rank has no buffers
         about: dict[str, Any] | None = None if broken is not None else {}
@@ -176,10 +185,11 @@ async def _create(parent: P, color: int | None, key: int, members: tuple[int, ..
             for link in {type(parent._executor.links[p]): parent._executor.links[p] for p in group
                          if p != parent.rank}.values():
                 about.update(link.describe_buffers(buffers))
+            about["mailbox"] = offer.describe() if offer is not None else None
         for attempt in range(DOMAIN_ATTEMPTS):
             progress = Progress(rank, len(group)) if group else None
-            domain, opened = await _open(parent, group, rank, buffers, about, progress, RETRY_SPREAD * (attempt > 0),
-                                         broken)
+            domain, opened, mailbox = await _open(parent, group, rank, buffers, about, progress,
+                                                  RETRY_SPREAD * (attempt > 0), broken, offer)
             if opened is not None:
                 break
         else:
@@ -187,18 +197,51 @@ async def _create(parent: P, color: int | None, key: int, members: tuple[int, ..
     except BaseException:
         if buffers is not None:
             buffers.close()
+        if offer is not None:
+            offer.close()
         raise
     if buffers is None or progress is None or opened is None:
+        if offer is not None:
+            offer.close()
         return None
     buffers.unlink()  # every member has mapped them
-    return _comm(parent, group, rank, opened, buffers, progress, domain)
+    if offer is not None:
+        offer.unlink()
+        if mailbox is None:
+            offer.close()
+            offer = None
+    return _comm(parent, group, rank, opened, buffers, progress, domain, mailbox, offer)
+
+
+def offer_box(mailbox: object, members: int) -> Box | None:
+    """This rank's box for the mailbox of a communicator of ``members`` ranks made from one
+    with the host's mailboxes (``mailbox``: its executor's); shrink uses it too."""
+    if members < 2 or not isinstance(mailbox, Mailbox):
+        return None
+    try:
+        return mailbox.offer()
+    except Exception as exc:  # noqa: BLE001 - /dev/shm full: the communicator runs without mailboxes
+        logging.getLogger("ahcomm").warning("no mailbox for the new communicator's small collectives (%s)", exc)
+        return None
+
+
+def derive_mailbox(mailbox: object, group: tuple[int, ...], abouts: list[Any], offer: Box | None) -> Mailbox | None:
+    """The group's mailbox derived from ``mailbox`` (the parent's), where every member offered a
+    box (``abouts[i]``: member i's description; decided from them alike on every member)."""
+    descriptions = [about.get("mailbox") if isinstance(about, dict) else None for about in abouts]
+    if offer is None or not isinstance(mailbox, Mailbox):
+        return None
+    found = [d for d in descriptions if isinstance(d, dict)]
+    return mailbox.derive(group, offer, found) if len(found) == len(group) else None
 
 
 async def _open(parent: Parent, group: tuple[int, ...], rank: int, buffers: CclBuffers | None,
                 about: dict[str, Any] | None, progress: Progress | None, spread: int,
-                broken: Exception | None = None) -> tuple[int, dict[int, Link] | None]:
-    """One attempt: agree on a domain, open this rank's child links, and learn whether every
-    rank could. Returns (domain, links), or (domain, None) when the domain must be retried.
+                broken: Exception | None = None,
+                offer: Box | None = None) -> tuple[int, dict[int, Link] | None, Mailbox | None]:
+    """One attempt: agree on a domain, open this rank's child links (and map the members'
+    mailbox boxes), and learn whether every rank could. Returns (domain, links, mailbox), or
+    (domain, None, None) when the domain must be retried.
     ``broken``: why this rank has no buffers (its ``about`` is None, so no member opens links
     to it); it still takes part in both rounds, so every rank raises (this one its own
     exception, the others a TransportError naming it)."""
@@ -207,6 +250,7 @@ async def _open(parent: Parent, group: tuple[int, ...], rank: int, buffers: CclB
     domain = max(int(row[0]) for row in rows)
     parent._domains.seen(domain)
     opened: dict[int, Link] = {}
+    mailbox: Mailbox | None = None
     status: str | None = None
     if broken is not None:
         status = f"could not create its CCL buffers for the new sub-communicator: {type(broken).__name__}: {broken}"
@@ -221,6 +265,7 @@ async def _open(parent: Parent, group: tuple[int, ...], rank: int, buffers: CclB
                     assert buffers is not None and progress is not None
                     opened[g] = parent._executor.links[p].child(domain, rank, g, buffers, rows[p][1],
                                                                 progress.reached)
+            mailbox = derive_mailbox(parent._executor.mailbox, group, [rows[p][1] for p in group], offer)
         except DomainInUse:
             status = COLLISION
         except Exception as exc:  # noqa: BLE001 - told to every rank below
@@ -228,23 +273,25 @@ async def _open(parent: Parent, group: tuple[int, ...], rank: int, buffers: CclB
     try:
         statuses = await parent.all_gather_object(status)  # also: every member's links exist now
     except BaseException:
-        _close(opened)
+        _close(opened, mailbox)
         raise
     failed = [(p, text) for p, text in enumerate(statuses) if text and text != COLLISION]
     if failed or COLLISION in statuses:
-        _close(opened)
+        _close(opened, mailbox)
         if broken is not None:
             raise broken
         if failed:
             p, text = failed[0]
             raise TransportError(f"split: rank {p} {text}")
-        return domain, None
-    return domain, opened
+        return domain, None, None
+    return domain, opened, mailbox
 
 
-def _close(links: dict[int, Link]) -> None:
+def _close(links: dict[int, Link], mailbox: Mailbox | None = None) -> None:
     for link in links.values():
         link.close()
+    if mailbox is not None:
+        mailbox.close()  # the offer stays: a retry derives again
 
 
 def _check_rows(rows: list[list[Any]], color: int | None, members: tuple[int, ...] | None, me: int) -> None:
@@ -271,16 +318,23 @@ def _agree(rows: list[list[Any]], members: tuple[int, ...] | None) -> None:
 
 
 def _comm(parent: P, group: tuple[int, ...], rank: int, links: dict[int, Link], buffers: CclBuffers,
-          progress: Progress, domain: int) -> P:
+          progress: Progress, domain: int, mailbox: Mailbox | None = None, offer: Box | None = None) -> P:
     topo = parent.topology
     kinds = tuple("self" if p == parent.rank else topo.link_kinds[p] for p in group)
     sub_topo = Topology(rank=rank, size=len(group), hosts=tuple(topo.hosts[p] for p in group), link_kinds=kinds,
-                        all_mapped=all(link.mapped for link in links.values()), single_copy=topo.single_copy)
+                        all_mapped=all(link.mapped for link in links.values()), single_copy=topo.single_copy,
+                        mailbox=mailbox.capacity if mailbox is not None else 0)
 
     async def on_close() -> None:
         for link in links.values():
             link.close()
+        if mailbox is not None:
+            mailbox.close()
+        if offer is not None:
+            offer.close()
         buffers.close()
 
-    return parent._derive(group, rank=rank, links=links, buffers=buffers, topo=sub_topo, progress=progress,
+    comm = parent._derive(group, rank=rank, links=links, buffers=buffers, topo=sub_topo, progress=progress,
                           label=f"g{domain}", on_close=on_close)
+    comm._executor.mailbox = mailbox
+    return comm

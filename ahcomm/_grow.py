@@ -31,6 +31,7 @@ from .algorithms._selection import Selector
 from .algorithms.base import Topology
 from .algorithms.cost import CostModel
 from .transports._auth import Credentials
+from .transports._host_mailbox import HostMailbox
 from .transports._zmq import Channel
 from .transports.base import Link
 
@@ -101,11 +102,25 @@ def _check_sizes(table: list[dict[str, Any]]) -> None:
                            "needs the job's AHCOMM_BUFFSIZE")
 
 
-def _topology(rank: int, table: list[dict[str, Any]], links: dict[int, Link]) -> Topology:
+def _topology(rank: int, table: list[dict[str, Any]], links: dict[int, Link], mbox: HostMailbox | None) -> Topology:
     size = len(table)
     kinds = tuple("self" if p == rank else links[p].kind for p in range(size))
     return Topology(rank=rank, size=size, hosts=tuple(str(e["host"]) for e in table), link_kinds=kinds,
-                    all_mapped=all(link.mapped for link in links.values()))
+                    all_mapped=all(link.mapped for link in links.values()),
+                    mailbox=mbox.capacity if mbox is not None else 0)
+
+
+def _attach(mbox: HostMailbox | None, table: list[dict[str, Any]], links: dict[int, Link]) -> HostMailbox | None:
+    """The grown communicator's mailboxes, fresh on every rank (the replacement could not open
+    the members' old FIFOs, whose names are gone), as ``init`` makes them: where every rank
+    offered one on one host over sdma; else this rank's closed."""
+    if mbox is not None and HostMailbox.usable(table) and all(link.kind == "sdma" for link in links.values()):
+        mbox.attach(table)
+        mbox.start(asyncio.get_running_loop())
+        return mbox
+    if mbox is not None:
+        mbox.close()
+    return None
 
 
 async def grow(comm: "Comm", timeout: float | None) -> "Comm":
@@ -128,7 +143,9 @@ async def grow(comm: "Comm", timeout: float | None) -> "Comm":
     buffers = (CclBuffers.shared(nbytes, f"r{me}g", prefault=False) if shared
                else CclBuffers.local(nbytes, prefault=False))
     host = comm.topology.hosts[comm.rank]
-    extra: dict[str, Any] = {"member": True, "dom": comm._domains.reserve()}
+    mbox = _bootstrap._host_mailbox(me) if shared and comm._executor.mailbox is not None else None
+    extra: dict[str, Any] = {"member": True, "dom": comm._domains.reserve(),
+                             "mailbox": mbox.describe() if mbox is not None else None}
     if me == min(members):
         extra["tuning"] = comm._selector.model.to_dict()
     info = _entry(me, size, host, channel, buffers, **extra)
@@ -150,20 +167,27 @@ async def grow(comm: "Comm", timeout: float | None) -> "Comm":
                 _forget(channel, w)  # the buffers of the link's domain, not the channel's)
                 roots[w] = _bootstrap._connect(me, [table[w]], channel, cfg, host, progress)[w]
                 links[w] = roots[w].child(domain, me, w, buffers, _about(table[w]), progress.reached)
+        mbox = _attach(mbox, table, links)
         await rounds.round(info, 1)
     except BaseException:
         for link in (*links.values(), *roots.values()):
             link.close()
         buffers.close()
+        if mbox is not None:
+            mbox.close()
         raise
     finally:
         await rounds.close()
     buffers.unlink()
-    topo = _topology(me, table, links)
+    if mbox is not None:
+        mbox.unlink()  # every rank has opened it
+    topo = _topology(me, table, links, mbox)
     new = type(comm)(rank=me, size=size, links=links, buffers=buffers, topo=topo, progress=progress,
                      selector=comm._selector, exec_timeout=comm._exec_timeout)
     new._domains = comm._domains
-    _elastic.share_connections(comm, new, {**links, **{-1 - w: root for w, root in roots.items()}}, buffers, channel)
+    new._executor.mailbox = mbox.mailbox if mbox is not None else None
+    _elastic.share_connections(comm, new, {**links, **{-1 - w: root for w, root in roots.items()}}, buffers, channel,
+                               (mbox.close,) if mbox is not None else ())
     return new
 
 
@@ -196,7 +220,9 @@ async def rejoin(cfg: Config | None = None) -> "Comm":
     channel = Channel(rank, buffers, ipc=shared, tcp_host=tcp_host, creds=creds, heartbeat=cfg.heartbeat,
                       max_message=cfg.max_message)
     rounds = _Rounds(rank, size, port, cfg, creds, cfg.connect_timeout)
-    info = _entry(rank, size, host, channel, buffers, member=False, dom=0)
+    mbox = _bootstrap._host_mailbox(rank) if shared else None
+    info = _entry(rank, size, host, channel, buffers, member=False, dom=0,
+                  mailbox=mbox.describe() if mbox is not None else None)
     try:
         table = await rounds.round(info, 0)
         _check_sizes(table)
@@ -205,6 +231,7 @@ async def rejoin(cfg: Config | None = None) -> "Comm":
         domain = _grown_domain(table)  # the members' links to this rank are on it
         links = {p: root.child(domain, rank, p, buffers, _about(table[p]), progress.reached)
                  if table[p].get("member") else root for p, root in roots.items()}
+        mbox = _attach(mbox, table, links)
         channel.start()
         await rounds.round(info, 1)
         tuning = next((e.get("tuning") for e in table if e.get("tuning")), None) or {}
@@ -212,19 +239,26 @@ async def rejoin(cfg: Config | None = None) -> "Comm":
     except BaseException:
         channel.close()
         buffers.close()
+        if mbox is not None:
+            mbox.close()
         raise
     finally:
         await rounds.close()
     buffers.unlink()
+    if mbox is not None:
+        mbox.unlink()
 
     async def on_close() -> None:
+        if mbox is not None:
+            mbox.close()
         channel.close()
         buffers.close()
 
     from ._comm import Comm
-    comm = Comm(rank=rank, size=size, links=links, buffers=buffers, topo=_topology(rank, table, links),
+    comm = Comm(rank=rank, size=size, links=links, buffers=buffers, topo=_topology(rank, table, links, mbox),
                 progress=progress, selector=Selector(REGISTRY, cfg.algo, model), exec_timeout=cfg.exec_timeout,
                 on_close=on_close)
+    comm._executor.mailbox = mbox.mailbox if mbox is not None else None
     comm._domains.seen(domain)
     _elastic.remember_channel(comm, channel)
     return comm

@@ -3,7 +3,7 @@
 For each world size (--np 2,4) it runs one after another (never concurrently), each a black
 box whose failure is recorded in the report while the others still run:
   * ahcomm:        ahcomm-run -n N python benchmarks/latency.py --inplace --cases ... --json F
-  * ahcomm spin 0: the same with AHCOMM_SPIN_US=0 (the waiter sleeps at once)
+  * ahcomm spin 0: the same with AHCOMM_SPIN_US=0 AHCOMM_YIELD_US=0 (the waiter sleeps at once)
   * gloo:          benchmarks/peers/gloo_bench.py -n N --latency ...
   * mpi:           benchmarks/peers/mpi_bench.py -n N --latency ...
 Each case: one checked call, -w warm-up calls, -i calls timed one by one; p50 and p90 of the
@@ -50,7 +50,7 @@ def command(tool: str, n: int, a: argparse.Namespace, out: Path) -> tuple[list[s
     if tool.startswith("ahcomm"):
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH"))))}
         if tool == "ahcomm-spin0":
-            env["AHCOMM_SPIN_US"] = "0"
+            env["AHCOMM_SPIN_US"] = env["AHCOMM_YIELD_US"] = "0"
         return [a.ahcomm_python, "-m", "ahcomm.run", "-n", str(n), "--no-tag-output", a.ahcomm_python,
                 str(ROOT / "benchmarks" / "latency.py"), "--inplace", *its], env
     script = "gloo_bench.py" if tool == "gloo" else "mpi_bench.py"
@@ -137,8 +137,9 @@ def header(a: argparse.Namespace, res: dict[int, Any], date: str, loads: list[fl
         "- cells: p50 / p90 in us of single back-to-back calls, the slowest rank's; float32, sum, root 0;"
         " all_reduce and broadcast in place, all_gather into a buffer made once; all_gather's bytes are"
         " each rank's share (the output is np times that)",
-        "- ahcomm: default settings (AHCOMM_SPIN_US 30 where ranks do not outnumber cores);"
-        " ahcomm-spin0: AHCOMM_SPIN_US=0; gloo: torch.distributed over 127.0.0.1;"
+        "- ahcomm: default settings (AHCOMM_SPIN_US 30 where ranks do not outnumber cores,"
+        " AHCOMM_YIELD_US 200 where they do by at most 2x); ahcomm-spin0: AHCOMM_SPIN_US=0 AHCOMM_YIELD_US=0"
+        " (sleep at once); gloo: torch.distributed over 127.0.0.1;"
         " mpi: Open MPI sm BTL (busy-polls)",
         "- peer / ahcomm = peer p50 / ahcomm p50 (>1: ahcomm faster); issue 11: its target for the case",
         *[f"- {v}" for v in vers], f"- ahcomm tree: {ROOT} at {rev}", "", ""])

@@ -60,8 +60,12 @@ async def grown_check(grown: ahcomm.Comm, state: dict[str, int] | None, victim: 
     assert state == {"total": 20 * 4 + 5 * 3}, state  # what rank 0 summed up before the growth
     got = await grown.all_reduce(np.full(100, grown.rank + 1, np.int64))
     assert grown.size == 4 and (got == 10).all(), (grown.size, got[:3])
+    small = grown.explain("all_reduce", 2)[0]  # sdma: the grown communicator's own mailboxes (oneshot)
+    for i in range(20):
+        got = await grown.all_reduce(np.array([grown.rank + i, 1], np.int64))
+        assert list(got) == [6 + 4 * i, 4], got
     print(f"GROWN rank={grown.rank} size={grown.size} restarts={os.environ.get('AHCOMM_RESTART_COUNT', '0')} "
-          f"state={state['total']}", flush=True)
+          f"state={state['total']} small={small}", flush=True)
     await grown.close()
 
 

@@ -231,6 +231,33 @@ def test_spin_only_where_ranks_do_not_outnumber_cores(monkeypatch: pytest.Monkey
     assert spin.allowed() > 0
 
 
+def test_yielding_spin_only_where_ranks_share_cores_two_to_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A busy spin where every rank has a core; a yielding one (sched_yield between looks) at up
+    to two ranks per core; none beyond (measured slower there); AHCOMM_YIELD_US=0 turns it off."""
+    monkeypatch.setattr(mailbox.os, "sched_getaffinity", lambda pid: {0, 1})
+    monkeypatch.delenv("AHCOMM_SPIN_US", raising=False)
+    monkeypatch.delenv("AHCOMM_YIELD_US", raising=False)
+    policies = {n: mailbox.spin_policy(n) for n in (1, 2, 3, 4, 5, 8)}
+    assert [(p.budget > 0, p.yields) for p in policies.values()] == [
+        (True, False), (True, False), (True, True), (True, True), (False, False), (False, False)]
+    assert policies[4].budget == pytest.approx(mailbox.YIELD_US * 1e-6)
+    monkeypatch.setenv("AHCOMM_YIELD_US", "0")
+    assert mailbox.spin_policy(4).budget == 0.0 and mailbox.spin_policy(2).budget > 0
+    calm, busy = mailbox.Spin(200e-6, yields=True), mailbox.Spin(200e-6, yields=True)
+    for i in range(40 * mailbox.Spin.GIVE_UP):  # 3 hits in 4 looks: never rests
+        assert calm.allowed() > 0
+        calm.result(i % 4 != 0)
+    for i in range(4 * mailbox.Spin.GIVE_UP):  # 1 in 2 (a host busy with other work): it rests
+        if busy.allowed() == 0.0:
+            break
+        busy.result(i % 2 == 0)
+    else:
+        raise AssertionError("a yielding spin that misses every other time never rests")
+    monkeypatch.setenv("AHCOMM_YIELD_US", "soon")
+    with pytest.raises(ahcomm.ConfigError, match="AHCOMM_YIELD_US"):
+        mailbox.spin_policy(4)
+
+
 async def test_a_lost_wake_up_costs_a_recheck_not_a_hang() -> None:
     """Every wake-up dropped: a sleeping rank still finds its peers' flags (oneshot.RECHECK)."""
     from ahcomm.algorithms import oneshot

@@ -11,6 +11,10 @@ from the slots - in one task, with no step, notify or stream between.
 * broadcast - the root publishes its input, the others a header only, and copy the root's;
 * barrier - a header only.
 
+A waiter whose peers are not all there polls the flags for a while (``Spin``: busy where every
+rank of the host has a core, yielding its core between looks where they share cores two to
+one), then marks itself asleep and waits for a wake-up.
+
 Every rank hears from every peer in every run (``exchanges``), so finishing a call proves
 every peer started it, as for the executor's all-dependent ops. Every peer's fingerprint is
 checked against this call's (a mismatch fails the communicator, naming both calls). A peer
@@ -20,6 +24,7 @@ lost or an abort fails the run's wake-up notify, so a waiting rank raises at onc
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 
 import numpy as np
@@ -127,6 +132,7 @@ async def _arrivals(ctx: Context, tick: int) -> None:
     pending = [p for p in range(ctx.size) if p != ctx.rank]
     flag = None
     spin = box.spin.allowed()
+    yields = spin and box.spin.yields
     deadline = 0.0
     net: asyncio.TimerHandle | None = None
     try:
@@ -149,6 +155,8 @@ async def _arrivals(ctx: Context, tick: int) -> None:
                     deadline = time.perf_counter() + spin
                     continue
                 if time.perf_counter() < deadline:
+                    if yields:
+                        os.sched_yield()
                     continue
                 box.spin.result(False)
                 spin = 0.0

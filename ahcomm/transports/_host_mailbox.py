@@ -7,7 +7,8 @@ be on this host, each maps every peer's box and opens every peer's FIFO for writ
 blocking). A wake-up is one byte written to the peer's FIFO; the owner reads its FIFO on its
 event loop (``loop.add_reader``) and hands the wake-up to the waiting collective. Names are
 unlinked once every peer holds them; a job that dies before leaves names that
-``reclaim_stale`` removes (they carry the creator's pid).
+``reclaim_stale`` removes (they carry the creator's pid). Sub-communicators' boxes
+(``Mailbox.derive``) are shared regions too (``_ShmStore``), woken through the same FIFOs.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from .._buffers import SHM_DIR, SHM_PREFIX, SharedRegion, guard, unguard
-from .mailbox import Mailbox, Waker, box_bytes
+from .mailbox import Box, Mailbox, Waker, box_bytes
 
 
 def _waker(fd: int) -> Waker:
@@ -30,6 +31,39 @@ def _waker(fd: int) -> Waker:
         except OSError:  # full (a wake-up is pending anyway) or the peer is gone (its link reports it)
             pass
     return wake
+
+
+class _ShmBox:
+    """A derived mailbox's box in /dev/shm: made here (``owner``) or a peer's, mapped here."""
+
+    def __init__(self, region: SharedRegion, owner: bool) -> None:
+        self.region, self.owner = region, owner
+
+    @property
+    def array(self) -> np.ndarray:
+        return self.region.array
+
+    def describe(self) -> dict[str, Any]:
+        return {"box": self.region.name}
+
+    def unlink(self) -> None:
+        if self.owner:
+            self.region.unlink()
+
+    def close(self) -> None:
+        self.unlink()
+        self.region.close()
+
+
+class _ShmStore:
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+
+    def create(self, nbytes: int) -> Box:
+        return _ShmBox(SharedRegion.create(nbytes, f"r{self.rank}-gbox"), True)
+
+    def open(self, description: dict[str, Any], nbytes: int) -> Box:
+        return _ShmBox(SharedRegion.attach(str(description["box"]), nbytes), False)
 
 
 class HostMailbox:
@@ -80,7 +114,7 @@ class HostMailbox:
             self._wfds.append(fd)
             arrays.append(region.array)
             wakers.append(_waker(fd))
-        self.mailbox = Mailbox(self.rank, arrays, wakers, self.capacity)
+        self.mailbox = Mailbox(self.rank, arrays, wakers, self.capacity, _ShmStore(self.rank))
         return self.mailbox
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -106,8 +140,7 @@ class HostMailbox:
 
     def close(self) -> None:
         if self.mailbox is not None:
-            self.mailbox.closed = True
-            self.mailbox.on_wake = None
+            self.mailbox.close()  # and any derived one left open: no more wake-ups
         if self._loop is not None and self.fd >= 0:
             try:
                 self._loop.remove_reader(self.fd)

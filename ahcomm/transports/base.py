@@ -101,7 +101,10 @@ class Endpoint(Protocol):
 
 
 class SpinPolicy(Protocol):
-    """How long a mailbox waiter may poll before it sleeps (``transports.mailbox.Spin``)."""
+    """How long a mailbox waiter may poll before it sleeps (``transports.mailbox.Spin``), and
+    whether it gives its core away between looks (``yields``)."""
+
+    yields: bool
 
     def allowed(self) -> float: ...
     def result(self, found: bool) -> None: ...
