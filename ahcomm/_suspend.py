@@ -24,6 +24,8 @@ two rounds of link messages keyed by negative sequence numbers (the user's are >
 A rank that cannot make or map its part says so in its message: every rank raises and
 stays suspended (resume may be tried again). In-process communicators (tests) keep their
 mailbox (plain memory shared by the ranks' objects); their buffers are released like others.
+A group's (or shrunk communicator's) mailbox, derived from its parent's, is released with its
+box, and resume makes the group a host mailbox of its own (the parent's may be suspended).
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import weakref
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Protocol
 
 import msgpack
@@ -50,7 +52,7 @@ from .algorithms._executor import Executor
 from .algorithms.base import Topology
 from .transports._host_mailbox import HostMailbox
 from .transports.base import Link, Mailboxes
-from .transports.mailbox import box_bytes
+from .transports.mailbox import Mailbox, box_bytes
 
 
 class Suspendable(Protocol):
@@ -65,6 +67,7 @@ class Suspendable(Protocol):
     _suspended: bool
     _exec_timeout: float
     _loop: asyncio.AbstractEventLoop | None
+    _on_close: Callable[[], Awaitable[None]] | None
     world_ranks: tuple[int, ...]
 
     @property
@@ -86,6 +89,7 @@ class _State:
     inproc_mailbox: Mailboxes | None = None  # an in-process mailbox, kept while suspended
     released: int = 0  # bytes of this rank's own memory the last suspend freed
     unmapped: int = 0  # bytes of the peers' shared memory it unmapped
+    own_mailbox: bool = False  # its close closes the host mailbox resume makes it (it had a derived one)
     attempts: int = 0  # resumes begun (the same count on every rank: it keys their messages)
 
 
@@ -104,6 +108,22 @@ def keep_mailbox(comm: Suspendable, box: HostMailbox | None) -> None:
 def host_mailbox(comm: Suspendable) -> HostMailbox | None:
     """The host mailbox ``comm`` owns now (None while suspended, or where it has none)."""
     return _host_mailboxes.get(comm)
+
+
+def _close_own_mailbox(comm: Suspendable) -> None:
+    """From now on ``comm``'s close also closes the host mailbox a resume makes it (a group's,
+    whose own close knows only the mailbox derived at its creation). Chained to its
+    ``_on_close``, so a shrunk communicator sharing it defers it alike."""
+    inner = comm._on_close
+
+    async def on_close() -> None:
+        if inner is not None:
+            await inner()
+        box = _host_mailboxes.pop(comm, None)
+        if box is not None:
+            box.close()
+
+    comm._on_close = on_close
 
 
 def buffer_spec(comm: Suspendable) -> tuple[bool, int]:
@@ -158,7 +178,12 @@ def _conclude(comm: Suspendable, flags: np.ndarray) -> None:
     state = _states.setdefault(comm, _State())
     executor = comm._executor
     box = _host_mailboxes.pop(comm, None)
-    state.inproc_mailbox = executor.mailbox if box is None else None
+    mailbox = executor.mailbox
+    # A group's (or shrunk communicator's) mailbox is derived from its parent's host mailbox,
+    # which the parent's suspend closes: it is released here and resume makes a host mailbox
+    # of the communicator's own, as init and grow do.
+    derived = isinstance(mailbox, Mailbox) and mailbox.derived_in_shared_memory
+    state.inproc_mailbox = mailbox if box is None and not derived else None
     executor.release()  # its views first: a mapping with views alive cannot be closed
     unmapped = sum(link.unmap_peer_buffers() for link in executor.links.values())
     state.shared, state.nbytes = executor.buffers.in_shared_memory, executor.buffers.nbytes
@@ -169,6 +194,17 @@ def _conclude(comm: Suspendable, flags: np.ndarray) -> None:
         released += box.region.nbytes
         unmapped += box_bytes(box.capacity) * (comm.size - 1)
         box.close()
+    elif derived and isinstance(mailbox, Mailbox) and mailbox.own_box is not None:
+        state.capacity = mailbox.capacity
+        released += box_bytes(mailbox.capacity)
+        unmapped += box_bytes(mailbox.capacity) * (comm.size - 1)
+        own = mailbox.own_box
+        mailbox.close()
+        own.close()  # closing the communicator closes it again: harmless
+        executor.mailbox = None
+        if not state.own_mailbox:
+            state.own_mailbox = True
+            _close_own_mailbox(comm)
     state.released, state.unmapped = released, unmapped
 
 
@@ -247,7 +283,7 @@ def _make(comm: Suspendable, state: _State) -> tuple[CclBuffers | None, HostMail
     box = None
     if state.capacity:
         try:
-            box = HostMailbox(comm.world_ranks[comm.rank], state.capacity)
+            box = HostMailbox(comm.rank, state.capacity)  # its Mailbox indexes this communicator's ranks
         except Exception:  # noqa: BLE001 - then no rank gets one (``_attach``): the other algorithms run instead
             box = None
     return fresh, box, None
@@ -277,7 +313,7 @@ def _attach(comm: Suspendable, rows: dict[int, dict[str, Any]], box: HostMailbox
         return None
     boxes = [rows[r].get("mbox") for r in range(comm.size)]
     if box is not None and all(isinstance(b, dict) and b.get("capacity") == box.capacity for b in boxes):
-        box.attach([{"rank": comm.world_ranks[r], "mailbox": boxes[r]} for r in range(comm.size)])
+        box.attach([{"rank": r, "mailbox": boxes[r]} for r in range(comm.size)])
         return box
     if box is not None:
         box.close()

@@ -8,6 +8,9 @@ cycle: every op checked against numpy, suspend (double suspend, calls while susp
 die:   every rank suspends; rank VICTIM then SIGKILLs itself; the others call resume, which must
        raise PeerFailure naming it; they shrink and all_reduce on the survivors. Prints
        "KILL T" (the victim) and "OK rank=R raised=T error=NAME peer=P" (the survivors).
+groups: split into even and odd ranks; each group suspends, then the parent; the parent
+       resumes, then the groups; small (oneshot) and large calls are checked on both, twice.
+       Prints "OK rank=R group=ALGORITHM parent=ALGORITHM mapped_suspended=S".
 """
 
 from __future__ import annotations
@@ -132,6 +135,36 @@ async def die(comm: ahcomm.Comm, victim: int) -> None:
     await new.close()
 
 
+async def small_calls(comm: ahcomm.Comm, rounds: int) -> None:
+    """``rounds`` oneshot all_reduces and broadcasts on ``comm``, checked."""
+    n = comm.size
+    for i in range(rounds):
+        got = await comm.all_reduce(np.array([comm.rank + i], np.float32), algorithm="oneshot")
+        expect(got[0] == n * i + n * (n - 1) / 2, f"oneshot all_reduce {i}: {got}")
+        got = await comm.broadcast(np.full(5, comm.rank + i, np.int32), root=i % n, algorithm="oneshot")
+        expect((got == i % n + i).all(), f"oneshot broadcast {i}: {got}")
+
+
+async def groups(comm: ahcomm.Comm) -> None:
+    group = await comm.split(comm.rank % 2)
+    assert group is not None
+    for _ in range(2):
+        await small_calls(group, 20)
+        await group.suspend()
+        await comm.suspend()
+        suspended = mapped_shm()
+        await comm.resume()
+        await small_calls(comm, 20)  # the parent's small calls while the group is still suspended
+        await group.resume()
+        await small_calls(group, 20)
+        await small_calls(comm, 20)
+        await every_op(group, 1000)
+        await every_op(comm, 1000)
+    picks = group.explain("all_reduce", 2)[0], comm.explain("all_reduce", 2)[0]
+    await group.close()
+    print(f"OK rank={comm.rank} group={picks[0]} parent={picks[1]} mapped_suspended={suspended}", flush=True)
+
+
 async def main() -> None:
     case = os.environ["CASE"]
     comm = await ahcomm.init()
@@ -139,6 +172,8 @@ async def main() -> None:
         await cycle(comm)
     elif case == "die":
         await die(comm, int(os.environ.get("VICTIM", "1")))
+    elif case == "groups":
+        await groups(comm)
     await comm.close()
 
 

@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from mp_suspend import every_op
+from test_multiprocess import left_behind, shm_names
 
 import ahcomm
 from ahcomm.testing import local_world
@@ -64,6 +65,21 @@ def test_suspend_releases_the_memory_and_resume_restores_every_op(transport: str
         print(f"{transport} np={n} rank {rank}: mapped {before} -> {during} -> {after} bytes; released "
               f"{f['released']} own, unmapped {f['unmapped']} of peers'; suspend {f['suspend_s']} s, "
               f"resume {f['resume_s']} s")
+
+
+@pytest.mark.multiprocess
+def test_groups_and_their_parent_suspend_and_resume_with_their_mailboxes() -> None:
+    """A group's mailbox is made from its parent's: suspending the parent closed it, and the
+    group resumed on a closed one (its first small call failed)."""
+    before = shm_names()
+    res = run("groups", 4, "sdma")
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert not left_behind(before), "shared-memory names were left behind"
+    ok = oks(res)
+    assert sorted(ok) == list(range(4)), res.stdout + res.stderr
+    for rank, f in ok.items():
+        assert f["group"] == "oneshot" and f["parent"] == "oneshot", f  # both run on mailboxes again
+        assert f["mapped_suspended"] == "0", f"rank {rank} still maps shared memory while suspended: {f}"
 
 
 @pytest.mark.multiprocess

@@ -56,6 +56,8 @@ class _ShmBox:
 
 
 class _ShmStore:
+    shared = True
+
     def __init__(self, rank: int) -> None:
         self.rank = rank
 

@@ -190,6 +190,8 @@ class Box(Protocol):
 class BoxStore(Protocol):
     """Where the boxes of derived mailboxes live: shared memory on a host, arrays in one process."""
 
+    shared: bool  # in shared memory (a suspend releases it; else the ranks' objects share it)
+
     def create(self, nbytes: int) -> Box: ...
     def open(self, description: dict[str, Any], nbytes: int) -> Box: ...
 
@@ -207,6 +209,7 @@ class Mailbox:
         self._children: list[Mailbox] = []  # derived mailboxes: woken through this one's descriptor
         self._parent: Mailbox | None = None
         self._owned: list[Box] = []  # a derived mailbox's peers' boxes (closed with it)
+        self.own_box: Box | None = None  # a derived mailbox's box made here (``offer``; the caller closes it)
         self.size = len(boxes)
         self.capacity = capacity
         self.tick = 0  # publications so far (the same count on every rank: they publish in step)
@@ -319,9 +322,15 @@ class Mailbox:
         child = Mailbox(list(members).index(self.rank), boxes, [self._wakers[p] for p in members], self.capacity,
                         self.store)
         child.spin = Spin(self.spin.budget, self.spin.yields)  # the host's ranks and cores decide, not the group's
-        child._parent, child._owned = self, opened
+        child._parent, child._owned, child.own_box = self, opened, mine
         self._children.append(child)
         return child
+
+    @property
+    def derived_in_shared_memory(self) -> bool:
+        """Made by ``derive`` (a sub-communicator's) in shared memory: it goes when the mailbox
+        it came from is closed (a parent's suspend), so a suspend releases it with its own box."""
+        return self.own_box is not None and self.store is not None and self.store.shared
 
     def close(self) -> None:
         """No more wake-ups for this mailbox and every one derived from it, their views dropped;
@@ -356,6 +365,8 @@ class _ArrayBox:
 
 class _ArrayStore:
     """Derived boxes of ranks that share one process."""
+
+    shared = False
 
     def __init__(self) -> None:
         self.boxes: dict[int, np.ndarray] = {}
