@@ -6,10 +6,12 @@ cycle: every op checked against numpy, suspend (double suspend, calls while susp
        Prints "OK rank=R mapped_before=B mapped_suspended=S mapped_resumed=M released=N
        unmapped=U suspend_s=T resume_s=T".
 die:   every rank suspends; rank VICTIM then SIGKILLs itself; the others call resume, which must
-       raise PeerFailure naming it; they shrink and all_reduce on the survivors. Prints
+       raise PeerFailure naming it; they shrink and all_reduce on the survivors, suspend and
+       resume theirs, and run small and other calls on it. Prints
        "KILL T" (the victim) and "OK rank=R raised=T error=NAME peer=P" (the survivors).
 groups: split into even and odd ranks; each group suspends, then the parent; the parent
-       resumes, then the groups; small (oneshot) and large calls are checked on both, twice.
+       resumes, then the groups; small (oneshot) and large calls are checked on both, twice;
+       then rank 1 is shrunk away and the survivors suspend and resume theirs.
        Prints "OK rank=R group=ALGORITHM parent=ALGORITHM mapped_suspended=S".
 """
 
@@ -131,17 +133,23 @@ async def die(comm: ahcomm.Comm, victim: int) -> None:
     got = await new.all_reduce(np.full(8, comm.rank + 1.0))
     survivors = [r for r in range(comm.size) if r != victim]
     expect(np.array_equal(got, np.full(8, float(sum(r + 1 for r in survivors)))), f"all_reduce after shrink: {got}")
+    pick = new.explain("all_reduce", 2)[0]
+    await new.suspend()  # the survivors' communicator (ranks renumbered: 3 is 2 now) suspends and resumes
+    await new.resume()
+    expect(new.explain("all_reduce", 2)[0] == pick, f"small calls ran {pick}, now {new.explain('all_reduce', 2)}")
+    await small_calls(new, 10, None)
+    await every_op(new, 1000)
     print(f"OK rank={comm.rank} raised={raised:.6f} error={error} peer={peer}", flush=True)
     await new.close()
 
 
-async def small_calls(comm: ahcomm.Comm, rounds: int) -> None:
-    """``rounds`` oneshot all_reduces and broadcasts on ``comm``, checked."""
+async def small_calls(comm: ahcomm.Comm, rounds: int, algorithm: str | None = "oneshot") -> None:
+    """``rounds`` small all_reduces and broadcasts on ``comm`` (oneshot: on its mailboxes), checked."""
     n = comm.size
     for i in range(rounds):
-        got = await comm.all_reduce(np.array([comm.rank + i], np.float32), algorithm="oneshot")
-        expect(got[0] == n * i + n * (n - 1) / 2, f"oneshot all_reduce {i}: {got}")
-        got = await comm.broadcast(np.full(5, comm.rank + i, np.int32), root=i % n, algorithm="oneshot")
+        got = await comm.all_reduce(np.array([comm.rank + i], np.float32), algorithm=algorithm)
+        expect(got[0] == n * i + n * (n - 1) / 2, f"{algorithm} all_reduce {i}: {got}")
+        got = await comm.broadcast(np.full(5, comm.rank + i, np.int32), root=i % n, algorithm=algorithm)
         expect((got == i % n + i).all(), f"oneshot broadcast {i}: {got}")
 
 
@@ -162,6 +170,14 @@ async def groups(comm: ahcomm.Comm) -> None:
         await every_op(comm, 1000)
     picks = group.explain("all_reduce", 2)[0], comm.explain("all_reduce", 2)[0]
     await group.close()
+    shrunk = await comm.shrink(exclude=[1])  # ranks 0, 2, 3 of comm are 0, 1, 2 of shrunk
+    if shrunk is not None:
+        await small_calls(shrunk, 10)
+        await shrunk.suspend()
+        await shrunk.resume()
+        await small_calls(shrunk, 10)  # on a host mailbox indexed by its own ranks
+        await every_op(shrunk, 1000)
+        await shrunk.close()
     print(f"OK rank={comm.rank} group={picks[0]} parent={picks[1]} mapped_suspended={suspended}", flush=True)
 
 
