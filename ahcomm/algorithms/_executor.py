@@ -190,7 +190,7 @@ class Executor:
                 self._ctx = None
         for link in self._unmapped:
             await link.flush()
-        self._report(call, communicated=True, exchanged=algorithm.exchanges)
+        self._report(call, communicated=True, exchanged=algorithm.exchanged(call))
 
     def _report(self, call: Call, communicated: bool, exchanged: bool = False) -> None:
         if communicated and (exchanged or call.op in ALL_DEPENDENT):
