@@ -11,6 +11,8 @@ rdma links in this process: the same matrix at 3 ranks (mp_eager.py runs real pr
 from __future__ import annotations
 
 import asyncio
+import re
+from pathlib import Path
 from typing import Any
 
 import ml_dtypes
@@ -21,10 +23,12 @@ import ahcomm
 from ahcomm.testing import local_world
 from ahcomm.transports.base import EAGER_AHEAD, EAGER_BYTES
 
+from jobs import run_job
 from support.inproc import links_of, run_inproc
 from support.numerics import assert_close, reduce_ref
 
 SIZES = [1, 2, 3, 4, 5, 6, 7, 8, 9]
+HERE = Path(__file__).parent
 DTYPES = [np.float32, np.float64, np.int32, np.int8, np.float16, np.bool_, np.uint64, ml_dtypes.bfloat16]
 COUNTS = [0, 1, 37, 1001]
 
@@ -228,10 +232,11 @@ async def test_early_arrivals_are_kept_and_bounded() -> None:
         await asyncio.gather(*(c.close() for c in comms))
 
 
-async def test_mismatch_fails_every_rank() -> None:
+@pytest.mark.parametrize("transport", ["inproc", "rdma"])
+async def test_mismatch_fails_every_rank(transport: str) -> None:
     """Both ranks run eager at seq 0, one an all_reduce, the other an all_gather: the fingerprints
     carried by the messages differ, and both ranks raise naming the mismatch."""
-    comms = await ahcomm.init_inprocess(2)
+    comms = await local_world(2, transport=transport)
     try:
         futs = [comms[0].all_reduce(np.ones(4, np.float32), algorithm="eager"),
                 comms[1].all_gather(np.ones(4, np.float32), algorithm="eager")]
@@ -253,3 +258,29 @@ async def test_abort_while_waiting() -> None:
             await asyncio.wait_for(fut, 5)
     finally:
         await asyncio.gather(*(c.close() for c in comms), return_exceptions=True)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("n", [2, 4])
+def test_real_processes_over_rdma(n: int) -> None:
+    proc = run_job(n, str(HERE / "mp_eager.py"), env={"AHCOMM_TRANSPORT": "rdma"}, timeout=240)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    for r in range(n):
+        assert f"[{r}] OK rank {r} picks ['eager']" in out, out
+
+
+@pytest.mark.multiprocess
+def test_a_dead_peer_fails_an_eager_call_naming_it() -> None:
+    """Rank 1 dies between calls; the others' next eager all_reduce (#6: init's agreement is #0)
+    raises PeerFailure within seconds naming the op, its number and rank 1."""
+    proc = run_job(3, str(HERE / "mp_eager.py"), env={"AHCOMM_TRANSPORT": "rdma", "KILL_AT": "5",
+                                                      "AHCOMM_EXEC_TIMEOUT": "60"}, timeout=120, grace=20)
+    out = proc.stdout + proc.stderr
+    lines = dict(re.findall(r"^\[\d\] FAILED rank (\d) (.*)$", proc.stdout, re.M))
+    assert sorted(lines) == ["0", "2"], out
+    for text in lines.values():
+        seconds = float(text.split(" ", 2)[1])
+        assert seconds < 5, out
+        assert "PeerFailure" in text and "rank 1" in text, out
+        assert re.search(r"all_reduce.*#6|#6.*all_reduce", text), out
