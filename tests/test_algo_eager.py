@@ -261,7 +261,7 @@ async def test_abort_while_waiting() -> None:
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("n", [2, 4, 8])
 def test_real_processes_over_rdma(n: int) -> None:
     proc = run_job(n, str(HERE / "mp_eager.py"), env={"AHCOMM_TRANSPORT": "rdma"}, timeout=240)
     out = proc.stdout + proc.stderr
