@@ -201,6 +201,7 @@ async def test_selected_for_small_calls_without_mailboxes(monkeypatch: pytest.Mo
         for op in ("all_reduce", "broadcast", "all_gather", "reduce_scatter", "reduce", "gather", "all_to_all"):
             assert comm.explain(op, 2, np.float32)[0] == "eager", op
         assert comm.explain("all_reduce", 8192, np.float32)[0] == "eager"  # 32 KiB
+        assert comm.explain("barrier", 0, np.uint8)[0] == "dissemination"  # 2 steps of 1 message beat 3 messages
         assert "eager" not in comm.explain("all_reduce", EAGER_BYTES // 4 + 1, np.float32)[1]  # over a message
         with pytest.raises(ahcomm.InvalidArgument, match="eager"):
             comm.all_reduce(np.ones(EAGER_BYTES // 4 + 1, np.float32), algorithm="eager")
