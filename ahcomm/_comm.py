@@ -35,6 +35,7 @@ naming it, and every peer is told (a control message giving the kind, then an ab
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 import time
 from collections import deque
@@ -89,6 +90,8 @@ class Comm(ThreadsafeCalls, BlockedCollectives, ObjectCollectives, PointToPoint)
         names world ranks in its messages and, as a ``child``, is closed before the parent."""
         self.rank = rank
         self.size = size
+        if links and not topo.eager:  # what every link carries in one eager message (the eager algorithm)
+            topo = dataclasses.replace(topo, eager=min(link.eager_limit for link in links.values()))
         self.topology = topo
         self._selector = selector
         self._executor = Executor(rank, size, links, buffers, topo, progress)

@@ -68,7 +68,12 @@ async def main() -> None:
     parser.add_argument("--cases", default=CASES, help="op:bytes comma list (all_gather: bytes per rank)")
     parser.add_argument("--inplace", action="store_true", help="all_reduce/broadcast in place, all_gather into out=")
     parser.add_argument("--json", default=None, help="rank 0 writes the rows here")
+    parser.add_argument("--exclude", default="", help="comma list of algorithms the selector may not pick "
+                        "(A/B: the picks before one was added)")
     args = parser.parse_args()
+    for name in filter(None, args.exclude.split(",")):
+        ahcomm.algorithms.REGISTRY.algorithms.pop(name)
+        ahcomm.algorithms.REGISTRY.version += 1
     comm = await ahcomm.init()
     rows = []
     for op, nbytes in L.cases(args.cases):

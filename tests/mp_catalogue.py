@@ -102,12 +102,17 @@ async def check(comm: ahcomm.Comm, op: str, algo: str, salt: int, big: bool) -> 
         np.testing.assert_array_equal(got.data, np.concatenate(want))
 
 
+SMALL_ONLY = frozenset({"eager"})  # runs only calls whose every message fits one (the big ones: 192 KB)
+
+
 async def run_catalogue(comm: ahcomm.Comm) -> int:
     """Every op x every algorithm that can run it here, small and big; returns the case count."""
     salt = 0
     for op in OPS:
         for algo in sorted(comm.explain(op, 1)[1]):
             for big in (False, True):
+                if big and algo in SMALL_ONLY:
+                    continue
                 salt += 1
                 try:
                     await check(comm, op, algo, salt, big)

@@ -20,7 +20,7 @@ import pytest
 
 from ahcomm import _bootstrap
 from ahcomm.testing import TRANSPORTS, LocalLinks, local_links
-from ahcomm.transports.base import Link, Signal
+from ahcomm.transports.base import EAGER_BYTES, Link, Signal
 
 from support.sizes import LINK_SIZES
 
@@ -163,6 +163,34 @@ async def test_fail_wakes_waiters_and_later_waits_raise(pair: LocalLinks) -> Non
         await asyncio.wait_for(waiter, 5)
     with pytest.raises(RuntimeError, match="link failed for the test"):
         await b.wait(Signal.ACK, 1, 4)  # a flag first asked for after the failure
+
+
+@pytest.mark.parametrize("nbytes", [0, 1, 63, EAGER_BYTES])
+async def test_eager_messages_before_and_after_they_are_asked_for(pair: LocalLinks, nbytes: int) -> None:
+    """One message per (call, direction), matched by seq whether it arrives first or is asked for
+    first; the source may be reused at once (copied on the way); None sends no bytes."""
+    a, b = ends(pair)
+    assert a.eager_limit == b.eager_limit == EAGER_BYTES
+    src = np.arange(nbytes, dtype=np.uint8)
+    a.send_eager(5, 0, src)  # arrives before it is asked for
+    src[:] = 7  # reused at once
+    waiting = b.eager(6)  # asked for before it is sent
+    a.send_eager(6, 0, None)
+    assert bytes(await asyncio.wait_for(b.eager(5), 10)) == bytes(np.arange(nbytes, dtype=np.uint8))
+    assert bytes(await asyncio.wait_for(waiting, 10)) == b""
+    b.send_eager(5, 0, src)  # the other direction, the same seq
+    assert bytes(await asyncio.wait_for(a.eager(5), 10)) == bytes(src)
+    assert not a._eager and not b._eager  # nothing left behind
+
+
+async def test_eager_fail_wakes_the_waiter(pair: LocalLinks) -> None:
+    _a, b = ends(pair)
+    waiting = b.eager(9)
+    b.fail(RuntimeError("link failed for the test"))
+    with pytest.raises(RuntimeError, match="link failed for the test"):
+        await asyncio.wait_for(waiting, 5)
+    with pytest.raises(RuntimeError, match="link failed for the test"):
+        await b.eager(10)  # asked for after the failure
 
 
 async def test_close_is_idempotent(pair: LocalLinks) -> None:

@@ -32,7 +32,10 @@ FRAMES = {
     "short header": [b"\x01" * 10],
     "unknown kind": [HEADER.pack(200, 0, 0, 0, 0, 0, 0)],
     "put outside the buffer": [HEADER.pack(2, 0, 0, 16, 0, 1 << 40, 0), b"x" * 16],
+    "oversized eager message": [HEADER.pack(10, 0, 0, 1 << 20, 5, 0, 0), b"x" * 16],
+    "eager message twice": [HEADER.pack(10, 0, 0, 1, 1000, 0, 0), b"x"],
 }
+TIMES = {"eager message twice": 2}  # the same message sent again: a second one for call 1000
 
 async def main():
     comm = await ahcomm.init()
@@ -46,7 +49,8 @@ async def main():
             await asyncio.gather(*calls)
             calls.clear()
         if r == OFFENDER:
-            comm._executor.links[VICTIM].sock.send_multipart(FRAMES[os.environ["CASE"]])
+            for _ in range(TIMES.get(os.environ["CASE"], 1)):
+                comm._executor.links[VICTIM].sock.send_multipart(FRAMES[os.environ["CASE"]])
         if not calls:
             await asyncio.sleep(0.5)
         while time.monotonic() - start < 60:
@@ -71,6 +75,8 @@ asyncio.run(main())
 CASES = [("rdma", "short header", "a header of 10 bytes (expected 26)"),
          ("rdma", "unknown kind", "unknown message kind 200"),
          ("rdma", "put outside the buffer", "a put of 16 bytes at 1099511627776, outside the CCL buffer"),
+         ("rdma", "oversized eager message", "an eager message of 1048576 bytes (at most 65536)"),
+         ("rdma", "eager message twice", "a second eager message of call 1000"),
          ("sdma", "short header", "a header of 10 bytes (expected 26)"),
          ("sdma", "unknown kind", "unknown message kind 200")]
 

@@ -177,3 +177,22 @@ async def test_progress_low_water_mark() -> None:
     p.reached(1, 4)  # old news changes nothing
     assert p.low() == 9
     assert Progress(rank=0, size=1).low() > 1 << 40  # no peers: never waits
+
+
+def test_progress_low_water_mark_moves_when_the_last_peer_at_it_does() -> None:
+    """The minimum is recomputed only once the last peer at it moved on (peers ahead stay ahead)."""
+    from ahcomm.algorithms._executor import Progress
+
+    p = Progress(rank=2, size=4)
+    for peer, low in ((0, -1), (1, -1), (3, 2)):
+        p.reached(peer, 3)
+        assert p.low() == low
+    p.reached(0, 9)  # peer 0 runs ahead
+    p.all_started(4)
+    assert p.low() == 3 and p.finished == [8, 3, 3, 3]
+    p.reached(1, 5)
+    assert p.low() == 3
+    p.reached(3, 6)
+    assert p.low() == 4
+    p.reached(1, 7)
+    assert p.low() == 5

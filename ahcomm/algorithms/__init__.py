@@ -16,6 +16,7 @@ from .call import WHOLE, Call, Resources, Topology
 from .channels import Channels, Lane, channel_run
 from .cost import CostModel, LinkCost, Work, call_bytes, engine_tasks, log2up, npieces
 from .dissemination import Dissemination
+from .eager import Eager
 from .hierarchical import Hierarchical
 from .mesh import Mesh
 from .nb import NB
@@ -39,6 +40,7 @@ REGISTRY.register(Tree())
 REGISTRY.register(Star())
 REGISTRY.register(Hierarchical())
 REGISTRY.register(OneShot())
+REGISTRY.register(Eager())
 
 
 def register(algorithm: Algorithm) -> Algorithm:

@@ -34,25 +34,36 @@ class Progress:
         self.rank = rank
         self.finished = [-1] * size
         self._low = -1 if size > 1 else 1 << 62  # min of finished[] over the peers, kept current
+        self._at_low = size - 1  # peers whose finished[] is _low (the min is recomputed when none is left)
         self._waiters: list[tuple[int, asyncio.Future[None]]] = []
 
     def reached(self, peer: int, seq: int) -> None:
         """``peer`` has started collective ``seq`` (so it finished ``seq - 1``)."""
-        if seq - 1 > self.finished[peer]:
-            old = self.finished[peer]
-            self.finished[peer] = seq - 1
+        finished = self.finished
+        old = finished[peer]
+        if seq - 1 > old:
+            finished[peer] = seq - 1
             if old == self._low:
-                self._low = min((f for p, f in enumerate(self.finished) if p != self.rank), default=1 << 62)
-                self._wake()
+                self._at_low -= 1
+                if self._at_low <= 0:  # the last peer at the old minimum moved on: one pass, once per level
+                    self._relow()
 
     def all_started(self, seq: int) -> None:
         if seq - 1 > self._low:
-            for peer in range(len(self.finished)):
-                if seq - 1 > self.finished[peer]:
-                    self.finished[peer] = seq - 1
-            if len(self.finished) > 1:
-                self._low = seq - 1
-            self._wake()
+            finished = self.finished
+            for peer in range(len(finished)):
+                if seq - 1 > finished[peer]:
+                    finished[peer] = seq - 1
+            self._relow()
+
+    def _relow(self) -> None:
+        """The minimum over the peers and how many are at it, then wake whoever waits for it."""
+        rank = self.rank
+        peers = [f for p, f in enumerate(self.finished) if p != rank]
+        if peers:
+            self._low = low = min(peers)
+            self._at_low = peers.count(low)
+        self._wake()
 
     def low(self) -> int:
         return self._low
@@ -190,7 +201,7 @@ class Executor:
                 self._ctx = None
         for link in self._unmapped:
             await link.flush()
-        self._report(call, communicated=True, exchanged=algorithm.exchanges)
+        self._report(call, communicated=True, exchanged=algorithm.exchanged(call))
 
     def _report(self, call: Call, communicated: bool, exchanged: bool = False) -> None:
         if communicated and (exchanged or call.op in ALL_DEPENDENT):

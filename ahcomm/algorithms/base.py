@@ -210,6 +210,11 @@ class Algorithm:
         prices parts of the call at different link kinds itself."""
         raise NotImplementedError
 
+    def exchanged(self, call: Call) -> bool:
+        """Whether every rank hears from every peer in every run of ``call`` (``exchanges``, per op
+        where it differs); the executor then knows every peer started it without being told."""
+        return self.exchanges
+
     def resources(self, call: Call, topo: Topology, half_bytes: int) -> Resources:
         """Streams and slice size for ``call``; ``half_bytes`` is the usable CCL half."""
         return Resources()

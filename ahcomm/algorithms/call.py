@@ -103,6 +103,7 @@ class Topology:
     all_mapped: bool = False  # every link maps its peer's CCL buffers (Link.mapped)
     single_copy: bool = False  # every rank can read every peer's memory (agreed at init)
     mailbox: int = 0  # payload bytes of a mailbox slot (``Context.mailbox``); 0: no mailboxes
+    eager: int = 0  # bytes of one eager message every link carries (``DataLink.send_eager``); 0: not every link
 
     @cached_property
     def servers(self) -> int:

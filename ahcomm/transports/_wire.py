@@ -25,6 +25,7 @@ from .base import BUFFER_NAMES
 HEADER = struct.Struct("<BBHIqQH")
 MSG_SIGNAL, MSG_PUT, MSG_DATA_ACK, MSG_PROGRESS, MSG_ABORT, MSG_P2P, MSG_P2P_ACK, MSG_CONTROL = 1, 2, 3, 4, 5, 6, 7, 8
 MSG_BYE = 9  # the sender closed its communicator: nothing more will come from it
+MSG_EAGER = 10  # a call's eager message (``Link.send_eager``): seq, the fingerprint as offset, its bytes
 MAX_SIGNAL = 2  # Signal.DATA_ACK
 MAX_REASON = 1024
 MAX_META = 4096  # bytes of a point-to-point message's metadata frame

@@ -63,6 +63,7 @@ from ._wire import (
     MSG_ABORT,
     MSG_BYE,
     MSG_CONTROL,
+    MSG_EAGER,
     MSG_P2P,
     MSG_P2P_ACK,
     MSG_PROGRESS,
@@ -75,7 +76,7 @@ from ._wire import (
     frame,
     last,
 )
-from .base import MAX_CONTROL, DomainInUse, Link, ProgressHook
+from .base import EAGER_BYTES, MAX_CONTROL, DomainInUse, Link, ProgressHook, as_bytes
 
 DEFAULT_MAX_MESSAGE = 1 << 30  # AHCOMM_MAX_MESSAGE default: bytes of one point-to-point message
 LOSS_GRACE = 0.5  # seconds a disconnected peer has for its goodbye to arrive before it counts as lost
@@ -274,6 +275,7 @@ class ZmqLink(Link):
     """A link whose notifies travel as ZeroMQ messages on the peer's channel."""
 
     wire_peer: int  # the peer's rank on the connection (its DEALER identity)
+    eager_limit = EAGER_BYTES
     domain: int  # 0: the connection's own communicator; else a sub-communicator's (see ``child``)
 
     def __init__(self, rank: int, peer: int, channel: Channel, endpoint: str,
@@ -409,6 +411,25 @@ class ZmqLink(Link):
         self.signals_sent += 1
         self._send(MSG_SIGNAL, signal, index, seq, fingerprint, value)
 
+    def send_eager(self, seq: int, fingerprint: int, data: np.ndarray | None) -> None:
+        """One message: the header (the fingerprint as its offset) and, if any, the bytes, copied."""
+        if self._error is not None:
+            raise self._error
+        nbytes = 0 if data is None else data.nbytes
+        if nbytes > EAGER_BYTES:
+            raise TransportError(f"link {self.rank}->{self.peer}: an eager message of {nbytes} bytes "
+                                 f"(at most {EAGER_BYTES})")
+        header = HEADER.pack(MSG_EAGER, 0, 0, nbytes, seq, fingerprint, self.domain)
+        try:
+            if data is None or not nbytes:
+                self.sock.send(header, zmq.NOBLOCK)
+            else:
+                self.sock.send(header, zmq.NOBLOCK | zmq.SNDMORE)
+                self.sock.send(as_bytes(data).data, zmq.NOBLOCK, copy=True)
+        except zmq.ZMQError as exc:
+            raise TransportError(f"link {self.rank}->{self.peer}: send failed: {exc}") from exc
+        self.bytes_sent += nbytes
+
     def send_control(self, payload: bytes) -> None:
         if len(payload) > MAX_CONTROL:
             raise TransportError(f"link {self.rank}->{self.peer}: control message of {len(payload)} bytes "
@@ -466,7 +487,9 @@ class ZmqLink(Link):
                    sock: zmq.Socket[Any]) -> None:
         """Handle one message whose header was read: read exactly its frames, or raise Malformed
         before acting on it."""
-        if kind == MSG_SIGNAL:
+        if kind == MSG_EAGER:
+            self._on_eager(seq, nbytes, offset, sock)
+        elif kind == MSG_SIGNAL:
             if a > MAX_SIGNAL:
                 raise Malformed(f"unknown signal {a}")
             last(sock, "a signal")
@@ -498,6 +521,23 @@ class ZmqLink(Link):
             self._peer_said_goodbye()
         else:
             self.on_data_message(kind, a, index, nbytes, seq, offset, sock)
+
+    def _on_eager(self, seq: int, nbytes: int, fingerprint: int, sock: zmq.Socket[Any]) -> None:
+        if nbytes > EAGER_BYTES or fingerprint > 0xFFFFFFFF:
+            raise Malformed(f"an eager message of {nbytes} bytes (at most {EAGER_BYTES}), fingerprint {fingerprint:#x}")
+        if nbytes:
+            if not sock.getsockopt(zmq.RCVMORE):
+                raise Malformed("an eager message's bytes are missing")
+            data: Any = sock.recv(zmq.NOBLOCK)
+            if len(data) != nbytes:
+                raise Malformed(f"an eager message of {len(data)} bytes, header said {nbytes}")
+        else:
+            data = b""
+        last(sock, "an eager message")
+        try:
+            self.deliver_eager(seq, fingerprint, data)
+        except TransportError as exc:
+            raise Malformed(str(exc)) from None
 
     def _on_p2p(self, tag: int, counter: int, nbytes: int, sock: zmq.Socket[Any]) -> None:
         limit = self.channel.max_message

@@ -17,6 +17,11 @@ and, on RDMA-like links, DataAck) and gives access to the peer's CCL buffers:
   (send/recv), outside the collectives' buffers: a message is matched by its key
   (user tag, per-pair sequence number), whether it arrives before or after it is asked for.
   Negative sequence numbers are the communicator's own (``Comm.resume``'s exchange).
+* ``send_eager(seq, fingerprint, data)`` / ``eager(seq)`` carry one small message per call
+  and peer (at most ``eager_limit`` bytes, ``EAGER_BYTES`` on the links that have them), matched
+  by the collective's sequence number, with no acknowledgement: the bytes are copied on the
+  way, so the sender may reuse them at once, and one that arrives before it is asked for waits
+  in the link (at most ``EAGER_AHEAD`` of them: a peer is never more than a call ahead).
 
 The contract has three faces (Gloo's ``transport::Pair`` is the model of the first):
 
@@ -84,6 +89,8 @@ class LinkEvents(Protocol):
     def on_broken(self, peer: int, reason: str) -> None:
         """The peer sent a message this link cannot accept: it no longer follows the protocol."""
 MAX_CONTROL = 64 * 1024  # bytes of one control message
+EAGER_BYTES = 64 * 1024  # the largest eager message a link sends or accepts (``Link.send_eager``)
+EAGER_AHEAD = 4  # eager messages a link keeps for calls not asked for yet; more breaks the protocol
 MAX_DOMAIN = 0xFFFF  # the largest domain number of a sub-communicator's links (``Link.child``)
 MessageKey = tuple[int, int]  # (user tag, per-pair sequence number) of a point-to-point message
 Message = tuple[bytes, Any]  # (metadata, bytes-like payload)
@@ -148,6 +155,10 @@ class DataLink(Protocol):
     def read(self, dst: np.ndarray, addr: int, run: MemoryRunner) -> Awaitable[Any] | None: ...
     async def flush(self) -> None: ...
     def check_fingerprint(self, seq: int, fingerprint: int) -> None: ...
+    @property
+    def eager_limit(self) -> int: ...  # bytes of one eager message (0: send_eager does not work)
+    def send_eager(self, seq: int, fingerprint: int, data: np.ndarray | None) -> None: ...
+    def eager(self, seq: int) -> asyncio.Future[Any]: ...
 
 
 class Connection(Protocol):
@@ -182,6 +193,7 @@ class Link(ABC):
     kind: ClassVar[str] = "abstract"
     mapped: ClassVar[bool] = False
     single_copy: bool = False  # read() works on this link (set once probed)
+    eager_limit: ClassVar[int] = 0  # bytes of one eager message (0: the transport has none)
 
     def __init__(self, rank: int, peer: int, on_progress: ProgressHook | None = None) -> None:
         self.rank = rank
@@ -195,6 +207,7 @@ class Link(ABC):
         self.bytes_received = 0
         self.signals_sent = 0
         self._mail: dict[MessageKey, asyncio.Future[Message]] = {}
+        self._eager: dict[int, asyncio.Future[Any]] = {}  # seq -> its eager message (asked for or arrived)
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.rank}->{self.peer}>"
@@ -327,6 +340,47 @@ class Link(ABC):
             fut.set_result((meta, data))
         self.bytes_received += len(memoryview(data).cast("B"))
 
+    # -- eager messages (one per call and peer) ---------------------------------------------
+    def send_eager(self, seq: int, fingerprint: int, data: np.ndarray | None) -> None:
+        """Send this rank's message of call ``seq`` (``data``: contiguous, at most ``eager_limit``
+        bytes, copied before this returns; None: no bytes), with the call's ``fingerprint``."""
+        raise NotImplementedError(f"{self.kind} links carry no eager messages")
+
+    def eager(self, seq: int) -> "asyncio.Future[Any]":
+        """The peer's eager message of call ``seq`` (a bytes-like payload): arrived, or a future for it."""
+        fut = self._eager.pop(seq, None)
+        if fut is None:
+            fut = asyncio.get_running_loop().create_future()
+            if self._error is not None:
+                fut.set_exception(self._error)
+            else:
+                self._eager[seq] = fut
+        return fut
+
+    def deliver_eager(self, seq: int, fingerprint: int, data: Any) -> None:
+        """Called by the transport when the peer's eager message of call ``seq`` arrived; its
+        ``fingerprint`` is checked by the communicator first, as a signal's is. Raises
+        ``TransportError`` for a second message of one call, or one too many ahead."""
+        events = self.events
+        if fingerprint and events is not None:
+            events.on_fingerprint(self.peer, seq, fingerprint)
+        fut = self._eager.pop(seq, None)
+        if fut is None:  # nobody asked yet: keep it until they do
+            if len(self._eager) >= EAGER_AHEAD:
+                raise TransportError(f"link {self.peer}->{self.rank}: eager message of call {seq} while "
+                                     f"{len(self._eager)} others wait (at most {EAGER_AHEAD})")
+            fut = asyncio.get_running_loop().create_future()
+            self._eager[seq] = fut
+        elif fut.cancelled():  # its waiter gave up (the run was cancelled): keep the message
+            fut = asyncio.get_running_loop().create_future()
+            self._eager[seq] = fut
+        elif fut.done():
+            self._eager[seq] = fut
+            raise TransportError(f"link {self.peer}->{self.rank}: a second eager message of call {seq}")
+        fut.set_result(data)
+        self.bytes_received += len(data)
+        self.progress(seq)
+
     # -- sub-communicators -----------------------------------------------------------------
     def describe_buffers(self, buffers: CclBuffers) -> dict[str, Any]:
         """What a peer needs to reach ``buffers`` (this rank's CCL buffers for a new
@@ -363,7 +417,7 @@ class Link(ABC):
         self._error = error
         for flag in self._notifies.values():
             flag.fail(error)
-        for fut in self._mail.values():
+        for fut in (*self._mail.values(), *self._eager.values()):
             if not fut.done():
                 fut.set_exception(error)
 

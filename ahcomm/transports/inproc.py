@@ -17,7 +17,17 @@ from typing import Any
 import numpy as np
 
 from .._buffers import CclBuffers
-from .base import MAX_CONTROL, DomainInUse, Link, MappedAccess, MemoryRunner, MessageKey, ProgressHook, as_bytes
+from .base import (
+    EAGER_BYTES,
+    MAX_CONTROL,
+    DomainInUse,
+    Link,
+    MappedAccess,
+    MemoryRunner,
+    MessageKey,
+    ProgressHook,
+    as_bytes,
+)
 
 
 def _memmove(dst: np.ndarray, addr: int) -> None:
@@ -27,6 +37,7 @@ def _memmove(dst: np.ndarray, addr: int) -> None:
 class InprocLink(MappedAccess, Link):
     kind = "inproc"
     single_copy = True  # one address space: a read is a memmove
+    eager_limit = EAGER_BYTES
 
     def __init__(self, rank: int, peer: int, peer_buffers: CclBuffers, on_progress: ProgressHook | None,
                  world: "InprocWorld | None" = None, ends: tuple[int, int] | None = None) -> None:
@@ -78,6 +89,16 @@ class InprocLink(MappedAccess, Link):
         self.bytes_sent += data.nbytes
         self.twin.deliver_message(key, meta, as_bytes(data).copy())  # the sender may reuse data at once
         return None
+
+    def send_eager(self, seq: int, fingerprint: int, data: np.ndarray | None) -> None:
+        assert self.twin is not None
+        if self._error is not None:
+            raise self._error
+        payload = b"" if data is None else as_bytes(data).tobytes()  # the sender may reuse data at once
+        if len(payload) > EAGER_BYTES:
+            raise ValueError(f"eager message of {len(payload)} bytes (at most {EAGER_BYTES})")
+        self.bytes_sent += len(payload)
+        self.twin.deliver_eager(seq, fingerprint, payload)
 
     def send_progress(self, seq: int) -> None:
         assert self.twin is not None
