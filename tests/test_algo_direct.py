@@ -210,3 +210,27 @@ def test_a_killed_peer_fails_the_others(n: int, tmp_path: Path) -> None:
     for _, kind, cause, after, msg in lines:
         assert "PeerFailure" in (kind, cause) and "rank 1" in msg, out
         assert float(after) < 15, out
+
+
+async def test_split_groups_run_direct_beside_the_parent(rng: np.random.Generator) -> None:
+    """Groups of a 5-rank world (colors by parity) read their members' buffers through their own
+    mailboxes, interleaved with the parent's calls."""
+    xs = [rng.integers(-9, 9, 70_001).astype(np.float32) for _ in range(5)]
+
+    async def body(comm: ahcomm.Comm) -> tuple[Any, Any, Any]:
+        group = await comm.split(comm.rank % 2)
+        assert group is not None
+        try:
+            members = [p for p in range(5) if p % 2 == comm.rank % 2]
+            mine = await group.all_gather(xs[comm.rank], algorithm="direct")
+            world = await comm.broadcast(xs[comm.rank].copy(), 3, algorithm="direct")
+            theirs = await group.broadcast(xs[comm.rank].copy(), group.size - 1, algorithm="direct")
+            assert group.stats()["paths"] == {"direct.single_copy": 2}
+            return mine, world, (members, theirs)
+        finally:
+            await group.close()
+
+    for mine, world, (members, theirs) in await run_inproc(5, body):
+        np.testing.assert_array_equal(mine.reshape(-1), np.concatenate([xs[p] for p in members]))
+        np.testing.assert_array_equal(world, xs[3])
+        np.testing.assert_array_equal(theirs, xs[members[-1]])
