@@ -69,8 +69,10 @@ def readers(call: Call, topo: Topology) -> int:
 
 
 def threads(call: Call, topo: Topology) -> int:
-    """Copy threads of one reader: more than one only where every reader gets that many cores."""
-    return max(1, min(max_threads(), _cores() // max(1, readers(call, topo))))
+    """Copy threads of one reader: up to ``max_threads()``, as many as keep the host's copy
+    threads within twice its cores (a thread waiting for its pages leaves the core to another:
+    at np=2 two threads per rank beat one in an all_gather, as mesh's two engines do)."""
+    return max(1, min(max_threads(), 2 * _cores() // max(1, readers(call, topo))))
 
 
 def _pool(n: int) -> ThreadPoolExecutor:
@@ -144,22 +146,23 @@ class Direct(Algorithm):
             for p in range(n):
                 if p != r:
                     jobs.append((ctx.links[p], dst[p], int(box.payload(p, tick).view(np.int64)[0])))
-        local = (dst, src) if call.op == "broadcast" and r == root else (dst[r], src) if call.op == "all_gather" \
-            else None
-        if local is not None and not np.shares_memory(*local):
-            np.copyto(*local)
-        await _read_all(jobs, threads(call, ctx.topo))
+        local = (dst[r], src) if call.op == "all_gather" else (dst, src) if r == root else None
+        if local is not None and np.shares_memory(*local):
+            local = None  # in place
+        await _read_all(jobs, local, threads(call, ctx.topo))
         tick, _ = box.publish(call.seq, ctx.fingerprint)  # done reading: the owners may go on
         await _arrivals(ctx, tick)
 
 
-async def _read_all(jobs: list[tuple[DataLink, np.ndarray, int]], lanes: int) -> None:
-    """Read every job (link, destination, peer's address): inline if small, else in slices on
-    ``lanes`` threads; waits for every slice (none still writes once this returns)."""
-    total = sum(dst.nbytes for _, dst, _ in jobs)
-    if total == 0:
-        return
+async def _read_all(jobs: list[tuple[DataLink, np.ndarray, int]], local: tuple[np.ndarray, np.ndarray] | None,
+                    lanes: int) -> None:
+    """Read every job (link, destination, peer's address) and make the ``local`` copy (dst, src):
+    inline if small, else in slices on ``lanes`` threads, the local copy among them; waits for
+    every slice (none still writes once this returns)."""
+    total = sum(dst.nbytes for _, dst, _ in jobs) + (local[0].nbytes if local is not None else 0)
     if total < INLINE_BYTES:
+        if local is not None:
+            np.copyto(*local)
         for link, dst, addr in jobs:
             link.read(dst, addr, _inline)
         return
@@ -172,6 +175,9 @@ async def _read_all(jobs: list[tuple[DataLink, np.ndarray, int]], lanes: int) ->
         return asyncio.wrap_future(tasks[-1])
 
     futures: list[Awaitable[Any]] = []
+    if local is not None:  # on the threads too: it overlaps the reads
+        to, of = (a.reshape(-1).view(np.uint8) for a in local)
+        futures += [run(np.copyto, to[lo:lo + piece], of[lo:lo + piece]) for lo in range(0, to.nbytes, piece)]
     for link, dst, addr in jobs:
         raw = dst.reshape(-1).view(np.uint8)
         for lo in range(0, raw.nbytes, piece):
