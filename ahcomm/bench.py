@@ -211,7 +211,7 @@ async def sweep(comm: Any, args: argparse.Namespace, algorithm: str | None) -> l
         wrong = await case.check() if args.check else 0
         us, median, count = await measure(case, args.warmup_iters, args.iters, args.max_seconds)
         slowest = await comm.all_reduce(np.array([us, median]), "max")  # the slowest rank's time
-        agg = await comm.all_reduce(np.array([us, float(wrong)]), "sum")
+        agg = await comm.all_reduce(np.array([us, float(wrong), median]), "sum")
         mean_us, median_us, total_wrong = float(slowest[0]), float(slowest[1]), int(agg[1])
         algbw = case.size / (mean_us * 1e-6) / 1e9
         redop = args.redop if args.op in REDUCING else "none"
@@ -219,7 +219,7 @@ async def sweep(comm: Any, args: argparse.Namespace, algorithm: str | None) -> l
         row = {"op": args.op, "size": case.size, "count": case.size // dtype.itemsize, "type": str(dtype),
                "redop": redop, "root": root, "time_us": mean_us, "algbw": algbw,
                "busbw": algbw * bus_factor(args.op, n), "wrong": total_wrong, "iters": count, "median_us": median_us,
-               "avg_rank_us": float(agg[0]) / n,
+               "avg_rank_us": float(agg[0]) / n, "median_avg_us": float(agg[2]) / n,  # means over ranks
                "algorithm": picked, "forced": algorithm is not None}
         rows.append(row)
         if comm.rank == 0:
