@@ -46,6 +46,10 @@ OPS = frozenset({"broadcast", "all_gather"})
 SLICE_BYTES = 32 << 20
 MIN_SLICE = 512 << 10  # a read is not cut below this to feed a second thread
 INLINE_BYTES = 1 << 20  # a rank's reads below this run inline (a thread hand-off costs more)
+# Per-rank bytes below which the selector leaves an op to the others: a 2 MiB all_gather (blocks of
+# 1 MiB at np=2, 512 KiB at np=4) ran faster through oneshot's cached slots in every one of 3 runs
+# of 3-5 interleaved rounds (np=2 4.3 vs 2.0-3.0 GB/s, np=4 0.9-1.0 vs 0.55-0.66).
+MIN_BYTES = {"all_gather": 4 << 20}
 THREADS = 2  # copy threads per rank at most (AHCOMM_DIRECT_THREADS), used where cores allow
 
 _FALLBACK = OneShot()
@@ -111,9 +115,10 @@ class Direct(Algorithm):
     def cost(self, call: Call, topo: Topology, model: CostModel) -> float | None:
         """None (never picked by the selector) where ranks cannot read each other's memory, and
         where a rank's input fits one mailbox slot: there oneshot's single publication beats
-        direct's two (measured np=2/4 at 64 KiB: 140-300 vs 280-2100 us on the loaded host), and
-        a kernel read costs a system call and runs at half a memcpy's rate per thread."""
-        if topo.size > 1 and (not topo.single_copy or call.count * call.itemsize <= topo.mailbox):
+        direct's two (measured np=2/4 at 64 KiB: 140-300 vs 280-2100 us on the loaded host); nor
+        below ``MIN_BYTES`` per rank."""
+        nbytes = call.count * call.itemsize
+        if topo.size > 1 and (not topo.single_copy or nbytes <= max(topo.mailbox, MIN_BYTES.get(call.op, 0))):
             return None
         return super().cost(call, topo, model)
 
