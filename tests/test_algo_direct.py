@@ -234,3 +234,18 @@ async def test_split_groups_run_direct_beside_the_parent(rng: np.random.Generato
         np.testing.assert_array_equal(mine.reshape(-1), np.concatenate([xs[p] for p in members]))
         np.testing.assert_array_equal(world, xs[3])
         np.testing.assert_array_equal(theirs, xs[members[-1]])
+
+
+def test_the_estimate_does_not_depend_on_this_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every rank must price a call alike: the copy threads in the estimate come from the model's
+    cores (rank 0's), not from this process's affinity or AHCOMM_DIRECT_THREADS."""
+    from ahcomm.algorithms.cost import CostModel
+    topo = Topology(rank=0, size=2, hosts=("h", "h"), link_kinds=("self", "sdma"), all_mapped=True,
+                    single_copy=True, mailbox=1 << 18)
+    call = Call(op="broadcast", seq=0, dtype=np.dtype(np.float32), count=1 << 24)
+    model = CostModel(cores=2)
+    before = direct.Direct().cost(call, topo, model)
+    monkeypatch.setattr(direct, "_cores", lambda: 64)
+    monkeypatch.setenv("AHCOMM_DIRECT_THREADS", "1")
+    assert direct.threads(call, topo) == 1
+    assert direct.Direct().cost(call, topo, model) == before

@@ -74,13 +74,15 @@ def readers(call: Call, topo: Topology) -> int:
     return topo.size - 1 if call.op == "broadcast" else topo.size
 
 
-def threads(call: Call, topo: Topology) -> int:
+def threads(call: Call, topo: Topology, cores: int = 0, most: int = 0) -> int:
     """Copy threads of one reader: up to ``max_threads()``, as many as keep the host's copy
     threads within four times its cores (a thread waiting on its pages leaves the core to
     another). Measured on 2 cores, 3 interleaved rounds, medians: np=4 64 MiB broadcast 3.99
     GB/s with two threads per reader vs 3.62 with one (mesh, two engines: 3.70); np=2 all_gather
-    two threads per rank, as mesh's two engines."""
-    return max(1, min(max_threads(), 4 * _cores() // max(1, readers(call, topo))))
+    two threads per rank, as mesh's two engines. ``cores`` and ``most`` default to this process's
+    cores and ``max_threads()``; the cost estimate passes the model's (rank 0's) and ``THREADS``,
+    so that every rank prices a call alike."""
+    return max(1, min(most or max_threads(), 4 * (cores or _cores()) // max(1, readers(call, topo))))
 
 
 def _pool(n: int) -> ThreadPoolExecutor:
@@ -131,7 +133,7 @@ class Direct(Algorithm):
         busy = topo.size - 1 if call.op == "broadcast" else None
         copied = whole
         return Work(rounds=2 * STEP, copied=copied, engines=1 if copied >= INLINE_BYTES else 0, busy=busy,
-                    streams=threads(call, topo))
+                    streams=threads(call, topo, model.cores or 1, THREADS))
 
     async def orchestrate(self, ctx: Context) -> None:
         if not ctx.topo.single_copy:
