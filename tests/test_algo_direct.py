@@ -249,3 +249,20 @@ def test_the_estimate_does_not_depend_on_this_process(monkeypatch: pytest.Monkey
     monkeypatch.setenv("AHCOMM_DIRECT_THREADS", "1")
     assert direct.threads(call, topo) == 1
     assert direct.Direct().cost(call, topo, model) == before
+
+
+async def test_non_contiguous_inputs_and_outputs_are_staged(rng: np.random.Generator) -> None:
+    """A strided input, and a strided broadcast output, go through the communicator's contiguous
+    staging: direct publishes and reads only flat buffers, and the results land in place."""
+    xs = [rng.integers(-9, 9, (300, 2)).astype(np.float64) for _ in range(3)]
+
+    async def body(comm: ahcomm.Comm) -> tuple[Any, Any]:
+        gathered = await comm.all_gather(xs[comm.rank][:, 1], algorithm="direct")  # stride 16 bytes
+        out = np.zeros((300, 2))
+        got = await comm.broadcast(xs[comm.rank][:, 0], 2, out=out[:, 1], algorithm="direct")
+        assert np.shares_memory(got, out) and not out[:, 0].any()
+        return gathered, out[:, 1].copy()
+
+    for gathered, bcast in await run_inproc(3, body, transport="sdma"):
+        np.testing.assert_array_equal(gathered.reshape(-1), np.concatenate([x[:, 1] for x in xs]))
+        np.testing.assert_array_equal(bcast, xs[2][:, 0])
