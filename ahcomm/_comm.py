@@ -503,8 +503,11 @@ class Comm(ThreadsafeCalls, BlockedCollectives, ObjectCollectives, PointToPoint)
         of this rank's receiving endpoint (refused connections, rejected messages); ``single_copy``:
         whether large one-host transfers read peers' user buffers in place (else they are staged);
         ``suspended`` and ``released_bytes``/``unmapped_bytes``: what the last ``suspend`` freed of this
-        rank's own memory and unmapped of its peers' shared memory."""
+        rank's own memory and unmapped of its peers' shared memory; ``paths``: runs per path where an
+        algorithm has several (``direct.single_copy``: reads of peers' user buffers, ``direct.staged``:
+        its fallback through the mailboxes)."""
         return {"rank": self.rank, "size": self.size, "seq": self._seq, "single_copy": self.topology.single_copy,
+                "paths": dict(self._executor.paths),
                 "links": self._executor.link_stats(), "endpoint": self._executor.endpoint_stats(),
                 **_suspend.stats(self)}
 

@@ -9,7 +9,8 @@
 Columns: size, count, type, redop, root, time (us), algbw, busbw (GB/s), #wrong. ``size``
 follows nccl-tests: the buffer for all_reduce/broadcast/reduce, the whole output of
 all_gather/gather, the whole input of reduce_scatter/scatter, one rank's buffer for
-all_to_all. time = mean per op, averaged over ranks. busbw factors: all_reduce 2(n-1)/n,
+all_to_all. time = mean per op of the slowest rank (the largest per-rank mean, as MPI
+benchmarks report; a rooted op's root may return before its receivers). busbw factors: all_reduce 2(n-1)/n,
 all_gather, reduce_scatter, gather, scatter, all_to_all (n-1)/n, broadcast and reduce 1.
 Starts N ranks itself (through ahcomm-run) unless it is already a rank of a launched job.
 """
@@ -209,14 +210,16 @@ async def sweep(comm: Any, args: argparse.Namespace, algorithm: str | None) -> l
         picked = algorithm or comm.explain(args.op, case.block, dtype, root=args.root)[0]
         wrong = await case.check() if args.check else 0
         us, median, count = await measure(case, args.warmup_iters, args.iters, args.max_seconds)
-        agg = await comm.all_reduce(np.array([us, median, float(wrong)]), "sum")
-        mean_us, median_us, total_wrong = agg[0] / n, agg[1] / n, int(agg[2])
+        slowest = await comm.all_reduce(np.array([us, median]), "max")  # the slowest rank's time
+        agg = await comm.all_reduce(np.array([us, float(wrong), median]), "sum")
+        mean_us, median_us, total_wrong = float(slowest[0]), float(slowest[1]), int(agg[1])
         algbw = case.size / (mean_us * 1e-6) / 1e9
         redop = args.redop if args.op in REDUCING else "none"
         root = args.root if args.op in ROOTED else -1
         row = {"op": args.op, "size": case.size, "count": case.size // dtype.itemsize, "type": str(dtype),
                "redop": redop, "root": root, "time_us": mean_us, "algbw": algbw,
                "busbw": algbw * bus_factor(args.op, n), "wrong": total_wrong, "iters": count, "median_us": median_us,
+               "avg_rank_us": float(agg[0]) / n, "median_avg_us": float(agg[2]) / n,  # means over ranks
                "algorithm": picked, "forced": algorithm is not None}
         rows.append(row)
         if comm.rank == 0:

@@ -11,6 +11,9 @@ Ratios are busbw(ahcomm) / busbw(peer): above 1 means ahcomm is faster.
     python3 benchmarks/compare.py            # -b 8 -e 64M -f 4, np 2 and 4
     python3 benchmarks/compare.py --quick    # -b 8 -e 4M -f 16
     python3 benchmarks/compare.py --latency  # small-message p50/p90 instead (compare_latency.py)
+    python3 benchmarks/compare.py --ops broadcast,all_gather -b 2M -e 64M -f 4 --rounds 3 \
+        --ahcomm-algorithms direct,mesh,oneshot   # A/B of algorithms beside the peers, median of 3
+Every tool's time is its slowest rank's (max over ranks of the per-rank mean).
 """
 from __future__ import annotations
 
@@ -78,18 +81,21 @@ def run_np(n: int, a: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     """All tools at world size n -> {tool: {"rows": [...], "errors": [...], ...}}."""
     res: dict[str, Any] = {}
     sw = sweep_args(a)
-    if "ahcomm" in a.tools:
-        merged: dict[str, Any] = {"tool": "ahcomm", "np": n, "rows": [], "errors": []}
+    variants = [("ahcomm", [])] if "ahcomm" in a.tools else []
+    variants += [(f"ahcomm:{name}", ["--algorithm", name]) for name in a.ahcomm_algorithms]
+    for tool, forced in variants:
+        merged: dict[str, Any] = {"tool": tool, "np": n, "rows": [], "errors": []}
         for op in a.ops:
-            f = tmp / f"ahcomm-np{n}-{op}.json"
-            doc = run_json([a.ahcomm_python, "-m", "ahcomm.bench", "-n", str(n), op, *sw,
-                            *a.ahcomm_args.split(), "--json", str(f)], a.timeout, tmp / f"ahcomm-np{n}-{op}.log")
+            tag = tool.replace(":", "-")
+            f = tmp / f"{tag}-np{n}-{op}.json"
+            doc = run_json([a.ahcomm_python, "-m", "ahcomm.bench", "-n", str(n), op, *sw, *a.ahcomm_args.split(),
+                            *forced, "--json", str(f)], a.timeout, tmp / f"{tag}-np{n}-{op}.log")
             if "error" in doc:
                 merged["errors"].append({"op": op, **doc["error"]})
             else:
                 merged["rows"] += [r for r in doc["rows"] if r.get("op", op) == op]
                 merged.update({k: v for k, v in doc.items() if k not in ("rows", "np", "tool")})
-        res["ahcomm"] = merged
+        res[tool] = merged
     for tool, script, extra in (("gloo", "gloo_bench.py", a.gloo_args),
                                 ("mpi", "mpi_bench.py", a.mpi_args)):
         if tool not in a.tools:
@@ -102,6 +108,28 @@ def run_np(n: int, a: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         doc["errors"] = [doc.pop("error")] if "error" in doc else []
         res[tool] = doc
     return res
+
+
+def merge_rounds(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """One result per tool from several rounds: per (op, size) the row of the median time
+    (the lower middle for an even count), with every round's busbw in ``rounds_busbw``."""
+    out: dict[str, Any] = {}
+    for tool in rounds[0]:
+        docs = [r[tool] for r in rounds if tool in r]
+        groups: dict[tuple[str, int], list[dict[str, Any]]] = {}
+        for doc in docs:
+            for row in doc.get("rows", []):
+                groups.setdefault((row["op"], int(row["size"])), []).append(row)
+        rows = []
+        for key in sorted(groups, key=lambda k: (k[0], k[1])):
+            got = groups[key]
+            pick = sorted(got, key=lambda r: r["time_us"])[(len(got) - 1) // 2]
+            rows.append({**pick, "rounds_busbw": [r["busbw"] for r in got]})
+        merged = {k: v for k, v in docs[-1].items() if k not in ("rows", "errors")}
+        merged["rows"] = rows
+        merged["errors"] = [e for doc in docs for e in doc.get("errors", [])]
+        out[tool] = merged
+    return out
 
 
 def fmt_size(b: int) -> str:
@@ -134,9 +162,9 @@ def rows_by(doc: dict[str, Any], op: str) -> dict[int, dict[str, Any]]:
 
 def np_section(n: int, res: dict[str, Any], ops: list[str], level: str = "##") -> str:
     """Markdown for one world size."""
-    tools = [t for t in TOOLS if t in res]
+    tools = [t for t in res if t.split(":")[0] in TOOLS]  # ahcomm, its forced variants, gloo, mpi
     out = [f"{level} np={n}", ""]
-    out += [f"{level}# 8-byte all_reduce time (mean us/op over ranks)", "",
+    out += [f"{level}# 8-byte all_reduce time (slowest rank's mean us/op)", "",
             "| tool | size | time (us) |", "|---|---:|---:|"]
     for t in tools:
         ar = rows_by(res[t], "all_reduce")
@@ -162,6 +190,10 @@ def np_section(n: int, res: dict[str, Any], ops: list[str], level: str = "##") -
             if "ahcomm" in res:
                 cells += [ratio(bw["ahcomm"], bw[p]) for p in peers]
             out.append("| " + " | ".join(cells) + " |")
+            spread = [f"{t} {'/'.join(fmt_bw(x) for x in per[t][s]['rounds_busbw'])}" for t in tools
+                      if s in per[t] and len(per[t][s].get("rounds_busbw", [])) > 1]
+            if spread:
+                out.append("| | " + "; ".join(spread) + " |" + " |" * (len(head) - 2))
         notes = sorted({f"{t}: {r['note']}" for t in tools for r in per[t].values()
                         if r.get("note")})
         out += [""] + [f"- note {x}" for x in notes] + ([""] if notes else [])
@@ -183,12 +215,16 @@ def header(a: argparse.Namespace, results: dict[int, Any], date: str) -> str:
         f"- machine: {platform.node()}, {os.cpu_count()} cores, Python {platform.python_version()}",
         f"- sweep: -b {a.b} -e {a.e} -f {a.f}" + (f" -w {a.w}" if a.w is not None else "")
         + (f" -i {a.i}" if a.i is not None else "") + f"; np {', '.join(map(str, a.np))}",
-        "- float32, sum, root 0; nccl-tests definitions: time = mean us/op averaged over ranks,"
+        "- float32, sum, root 0; time = the slowest rank's mean us/op (max over ranks, every tool),"
         " busbw = size/time * (all_reduce 2(n-1)/n, all_gather/reduce_scatter (n-1)/n,"
         " broadcast 1), GB/s = 1e9 B/s; all_gather size = total output,"
         " reduce_scatter size = total input",
         "- ratio = ahcomm busbw / peer busbw (>1: ahcomm faster); np above the core count"
-        " oversubscribes", *[f"- {v}" for v in vers], "", ""])
+        " oversubscribes; ahcomm:NAME = ahcomm with --algorithm NAME",
+        f"- rounds: {a.rounds} (tools interleaved within each round; the median round's row is shown,"
+        " every round's busbw on the line below it)",
+        f"- load average (1 min) before each round: {', '.join(f'{x:.2f}' for x in a.loads) or '-'}",
+        *[f"- {v}" for v in vers], "", ""])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -217,6 +253,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gloo-args", default="", help="extra flags for gloo_bench.py")
     p.add_argument("--mpi-args", default="", help="extra flags for mpi_bench.py, e.g. "
                    "'--malloc-tuned' or '--out-of-place'")
+    p.add_argument("--ahcomm-algorithms", default="", help="comma list: also run ahcomm forced to each "
+                   "algorithm (columns ahcomm:NAME), e.g. 'direct,mesh' for an A/B in the same run")
+    p.add_argument("--rounds", type=int, default=1, help="run every tool this many times, interleaved "
+                   "(round 1: every tool, round 2: every tool, ...); report the median round")
     p.add_argument("--timeout", type=float, default=1200.0, help="seconds per tool run")
     p.add_argument("--out-dir", default=str(ROOT / "benchmarks" / "results"))
     a = p.parse_args(argv)
@@ -225,14 +265,22 @@ def main(argv: list[str] | None = None) -> int:
     a.np = [int(x) for x in a.np.split(",") if x]
     a.ops = [x for x in a.ops.split(",") if x]
     a.tools = [x for x in a.tools.split(",") if x]
+    a.ahcomm_algorithms = [x for x in a.ahcomm_algorithms.split(",") if x]
+    a.loads = []
     outdir = Path(a.out_dir)
     outdir.mkdir(parents=True, exist_ok=True)
     date = datetime.date.today().isoformat()
     results: dict[int, Any] = {}
     with tempfile.TemporaryDirectory(prefix="ahcomm-compare-") as td:
+        rounds: dict[int, list[dict[str, Any]]] = {n: [] for n in a.np}
+        for k in range(max(1, a.rounds)):
+            a.loads.append(os.getloadavg()[0])
+            (Path(td) / f"r{k}").mkdir()
+            for n in a.np:
+                print(f"== round {k + 1}, np={n} (load {a.loads[-1]:.2f})", flush=True)
+                rounds[n].append(run_np(n, a, Path(td) / f"r{k}"))
         for n in a.np:
-            print(f"== np={n}", flush=True)
-            results[n] = run_np(n, a, Path(td))
+            results[n] = merge_rounds(rounds[n])
             md = header(a, {n: results[n]}, date) + np_section(n, results[n], a.ops)
             (outdir / f"{date}-np{n}.md").write_text(md)
     latest = header(a, results, date) + "".join(np_section(n, results[n], a.ops)

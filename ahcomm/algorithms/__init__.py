@@ -15,6 +15,7 @@ from .base import ALIGN, Algorithm, Context, OpRun, Registry, aligned, pieces, s
 from .call import WHOLE, Call, Resources, Topology
 from .channels import Channels, Lane, channel_run
 from .cost import CostModel, LinkCost, Work, call_bytes, engine_tasks, log2up, npieces
+from .direct import Direct
 from .dissemination import Dissemination
 from .eager import Eager
 from .hierarchical import Hierarchical
@@ -41,6 +42,7 @@ REGISTRY.register(Star())
 REGISTRY.register(Hierarchical())
 REGISTRY.register(OneShot())
 REGISTRY.register(Eager())
+REGISTRY.register(Direct())
 
 
 def register(algorithm: Algorithm) -> Algorithm:

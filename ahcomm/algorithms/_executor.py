@@ -119,6 +119,7 @@ class Executor:
         self._scratch = np.empty(0, np.uint8)
         self._resources: dict[tuple[Any, ...], Resources] = {}
         self.mailbox: Mailboxes | None = None  # the host's mailboxes (set at init where ``topo.mailbox``)
+        self.paths: dict[str, int] = {}  # runs per path where an algorithm has several (``Context.tally``)
 
     def bind(self) -> None:
         """Views of the CCL buffers' halves (at creation, and after ``Comm.resume`` renewed them)."""
@@ -193,7 +194,8 @@ class Executor:
             s, d = self._views(call, src, dst, a, b, inplace)
             ctx = Context(call=call, topo=self.topo, links=self.links, src=s, dst=d,
                           ccl_in=ccl_in, ccl_out=ccl_out, half_offset=parity, main=self.main, subs=subs,
-                          ufunc=ufunc, final=b == call.count, scratch=self.scratch, mailbox=self.mailbox)
+                          ufunc=ufunc, final=b == call.count, scratch=self.scratch, mailbox=self.mailbox,
+                          paths=self.paths)
             self._ctx = ctx
             try:
                 await algorithm.orchestrate(ctx)

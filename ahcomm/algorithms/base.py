@@ -46,7 +46,8 @@ class Context:
     def __init__(self, *, call: Call, topo: Topology, links: Mapping[int, DataLink], src: np.ndarray,
                  dst: np.ndarray, ccl_in: np.ndarray, ccl_out: np.ndarray, half_offset: int, main: Stream,
                  subs: Sequence[Stream], ufunc: np.ufunc | None, final: bool = True,
-                 scratch: Callable[[int], np.ndarray] | None = None, mailbox: Mailboxes | None = None) -> None:
+                 scratch: Callable[[int], np.ndarray] | None = None, mailbox: Mailboxes | None = None,
+                 paths: dict[str, int] | None = None) -> None:
         self.call = call
         self.topo = topo
         self.rank = topo.rank
@@ -64,10 +65,16 @@ class Context:
         self._scratch = scratch
         self.mailbox = mailbox  # the host's mailboxes (one-shot algorithms), where ``topo.mailbox``
         self.fingerprint = call.fingerprint
+        self._paths = paths  # the executor's counts of the paths runs took (``comm.stats()["paths"]``)
         self._locals: dict[Hashable, Notify] = {}
         self._error: BaseException | None = None
         for stream in (main, *self.subs):
             stream.on_error = self.fail  # a stream that fails must not leave the others waiting
+    def tally(self, path: str) -> None:
+        """Count one run of ``path`` (e.g. ``"direct.single_copy"``) in ``comm.stats()["paths"]``."""
+        if self._paths is not None:
+            self._paths[path] = self._paths.get(path, 0) + 1
+
     # -- notifies ---------------------------------------------------------------------------
     def local(self, key: Hashable) -> Notify:
         """A rank-local notify between this run's streams (created on first use)."""

@@ -26,6 +26,12 @@ _TABLE: dict[tuple[str, str, bool], tuple[int, int, str]] = {
     ("oneshot", "broadcast", False): (1, 1, "root writes its mailbox slot, every peer copies it out"),
     ("oneshot", "all_reduce", False): (1, 1, "owner writes its slot, every rank reduces all slots"),
     ("oneshot", "reduce_scatter", False): (1, 1, "owner writes its slot, every rank reduces its block"),
+    ("direct", "all_gather", True): (0, 1, "every peer reads the owner's user buffer (process_vm_readv); "
+                                          "addresses and completion through the mailboxes"),
+    ("direct", "broadcast", True): (0, 1, "every peer reads the root's user buffer (process_vm_readv); "
+                                          "addresses and completion through the mailboxes"),
+    ("direct", "all_gather", False): (1, 1, "no single copy here: oneshot's mailbox slots, slice by slice"),
+    ("direct", "broadcast", False): (1, 1, "no single copy here: oneshot's mailbox slots, slice by slice"),
     ("star", "all_gather", False): (1, 1, "owner stages in CCL_In, every rank copies it out"),
     ("star", "broadcast", False): (1, 1, "root stages in CCL_In, every peer copies it out"),
     ("ring", "all_gather", False): (1, 1, "put into the next rank's CCL_In slot, copied out there; n-1 hops"),
@@ -35,7 +41,7 @@ _TABLE: dict[tuple[str, str, bool], tuple[int, int, str]] = {
 
 def copies(algorithm: str, call: Call, topo: Topology) -> dict[str, object] | None:
     """The copies ``algorithm`` makes per received byte for ``call`` (None where not written down)."""
-    sc = algorithm == "mesh" and single_copy(call, topo)
+    sc = (algorithm == "mesh" and single_copy(call, topo)) or (algorithm == "direct" and topo.single_copy)
     entry = _TABLE.get((algorithm, call.op, sc))
     if entry is None:
         return None

@@ -7,7 +7,8 @@ Conventions (nccl-tests):
     (at least one element per rank), so e.g. 8 B all_gather at np=4 runs as 16 B.
   * count = size / 4 (total float32 elements, as nccl-tests prints it).
   * sweep: -b * -f^k, plus -e itself when the steps skip it.
-  * time_us = mean time per op, averaged over ranks (mean of per-rank means).
+  * time_us = the slowest rank's mean time per op (max over ranks of per-rank means): a rooted
+    op's root may return long before its receivers, so an average over ranks flatters it.
   * algbw = size / time (GB/s, 1 GB = 1e9 B); busbw = algbw * factor(op, np).
 """
 from __future__ import annotations
@@ -153,7 +154,7 @@ def expected(op: str, rank: int, n: int, chunk: int) -> "np.ndarray":
 
 def print_header(tool: str, n: int) -> None:
     """nccl-tests style header."""
-    print(f"# {tool}  np={n}  (time = mean us/op averaged over ranks; #wrong summed over ranks)")
+    print(f"# {tool}  np={n}  (time = slowest rank's mean us/op; #wrong summed over ranks)")
     print(f"#{'op':>15} {'size':>12} {'count':>12} {'type':>8} {'redop':>6} {'root':>5} "
           f"{'time(us)':>11} {'algbw':>9} {'busbw':>9} {'#wrong':>7} {'iters':>6}  note")
 

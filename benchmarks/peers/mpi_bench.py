@@ -1,7 +1,7 @@
 """OpenMPI (mpi4py buffer API) collective benchmark, nccl-tests conventions.
 
 Ops: Allreduce (in place, like torch/gloo; --out-of-place for send!=recv), Allgather, Reduce_scatter_block, Bcast (root 0); float32, SUM.
-Reported time = mean of per-rank mean us/op (nccl-tests default); #wrong = wrong elements
+Reported time = the slowest rank's mean us/op (max over ranks, as MPI benchmarks report); #wrong = wrong elements
 summed over all ranks after one checked call with known inputs.
 
 Run either under mpirun yourself, or directly (it then relaunches itself through the
@@ -108,7 +108,7 @@ def run_rank(args: Any) -> None:
         for _ in range(iters):
             call()
         per_op = (time.perf_counter() - t0) / iters
-        mean_us = comm.allreduce(per_op, op=MPI.SUM) / n * 1e6
+        mean_us = comm.allreduce(per_op, op=MPI.MAX) * 1e6  # the slowest rank's (Bcast's root returns early)
         wrong = comm.allreduce(wrong, op=MPI.SUM)
         if rank == 0:
             row = C.make_row(op, size, n, mean_us, wrong, iters)

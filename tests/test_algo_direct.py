@@ -1,0 +1,268 @@
+"""direct (single copy through the link's read, mailboxes for addresses and completion).
+
+In process (world sizes 1..9, inproc links: a read is a memmove; real sdma links made in this
+process: process_vm_readv of our own pid), between real processes over sdma (2..4 ranks),
+the staged fallback where ranks cannot read each other's memory, selection, copies per byte,
+and failures: a failing read, an abort while waiting, a peer SIGKILLed mid-call.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import ahcomm
+from ahcomm.algorithms import direct
+from ahcomm.algorithms.base import Call, Topology
+from ahcomm.algorithms.copies import copies
+from ahcomm.transports import inproc
+
+from jobs import run_job
+from support.inproc import busy_flags, run_inproc
+
+HERE = Path(__file__).parent
+SIZES = [1, 2, 3, 4, 5, 6, 7, 8, 9]
+DTYPES = [np.float32, np.float64, np.int32, np.int8, np.float16, np.bool_, np.uint64, ml_dtypes.bfloat16]
+COUNTS = [0, 1, 37, 1001]
+
+
+def values(rng: np.random.Generator, count: int, dtype: Any) -> np.ndarray:
+    if np.dtype(dtype) == np.bool_:
+        return rng.integers(0, 2, count).astype(bool)
+    return rng.integers(-8, 9, count).astype(dtype) if np.dtype(dtype).kind != "u" else \
+        rng.integers(0, 9, count).astype(dtype)
+
+
+def cases(rng: np.random.Generator, size: int, counts: list[int]) -> list[tuple[Any, ...]]:
+    out: list[tuple[Any, ...]] = []
+    for i, dtype in enumerate(DTYPES):
+        count = counts[i % len(counts)]
+        out.append(("all_gather", [values(rng, count, dtype) for _ in range(size)], 0, i % 2 == 1))
+        out.append(("broadcast", [values(rng, count, dtype) for _ in range(size)], (2 * i + 1) % size, i % 2 == 1))
+    return out
+
+
+async def issue(comm: ahcomm.Comm, case: tuple[Any, ...]) -> Any:
+    op, xs, root, inplace = case
+    if op == "all_gather":
+        return await comm.all_gather(xs[comm.rank], algorithm="direct")
+    x = xs[comm.rank].copy() if inplace else xs[comm.rank]
+    got = await comm.broadcast(x, root, out=x if inplace else None, algorithm="direct")
+    assert got is x or not inplace
+    return got
+
+
+async def check_matrix(size: int, rng: np.random.Generator, counts: list[int] = COUNTS, transport: str = "inproc",
+                       single_copy: bool = True) -> None:
+    todo = cases(rng, size, counts)
+
+    async def body(comm: ahcomm.Comm) -> tuple[list[Any], dict[str, int]]:
+        out = []
+        for case in todo:
+            before = case[1][comm.rank].copy()
+            out.append(await issue(comm, case))
+            if not case[3]:
+                assert np.array_equal(case[1][comm.rank], before)  # inputs are never modified
+            assert not busy_flags(comm)
+        return out, comm.stats()["paths"]
+
+    if single_copy:
+        results = await run_inproc(size, body, transport=transport)
+    else:
+        comms = await ahcomm.init_inprocess(size, single_copy=False)
+        try:
+            results = list(await asyncio.wait_for(asyncio.gather(*(body(c) for c in comms)), 60))
+        finally:
+            await asyncio.gather(*(c.close() for c in comms))
+    path = "direct.single_copy" if single_copy else "direct.staged"
+    for k, (op, xs, root, _) in enumerate(todo):
+        want = np.concatenate(xs) if op == "all_gather" else xs[root]
+        for rank in range(size):
+            np.testing.assert_array_equal(results[rank][0][k].reshape(-1), want)
+    if size > 1:
+        assert all(set(paths) == {path} for _, paths in results), results[0][1]
+
+
+@pytest.mark.parametrize("size", SIZES)
+async def test_matrix_inproc(size: int, rng: np.random.Generator) -> None:
+    await check_matrix(size, rng)
+
+
+@pytest.mark.parametrize("size", [2, 3])
+async def test_matrix_over_sdma_links_in_process(size: int, rng: np.random.Generator) -> None:
+    """Real sdma links: the reads are process_vm_readv (of this process), some threaded (>= 1 MiB)."""
+    await check_matrix(size, rng, counts=[0, 1, 37, 300_001], transport="sdma")
+
+
+@pytest.mark.parametrize("size", [2, 5])
+async def test_large_calls_are_read_in_slices_on_threads(size: int, rng: np.random.Generator,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """Slices of 64 KiB on two threads, a call far larger than the CCL buffer (64 KiB here)."""
+    monkeypatch.setattr(direct, "SLICE_BYTES", 64 << 10)
+    monkeypatch.setattr(direct, "MIN_SLICE", 64 << 10)
+    monkeypatch.setattr(direct, "INLINE_BYTES", 1)
+    monkeypatch.setattr(direct, "_cores", lambda: 2 * size)
+    await check_matrix(size, rng, counts=[1, 100_003])
+
+
+@pytest.mark.parametrize("size", [2, 3, 5])
+async def test_fallback_without_single_copy(size: int, rng: np.random.Generator,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ranks that cannot read each other's memory run oneshot's staged path, in slices of a
+    slot (192 bytes here), and say so in stats(); the selector never picks direct there."""
+    comms = await ahcomm.init_inprocess(size, single_copy=False)
+    try:
+        assert "direct" not in [comms[0].explain(op, 1 << 22)[0] for op in ("broadcast", "all_gather")]
+        assert comms[0].explain("broadcast", 1 << 22)[1].get("direct", 0) is None
+    finally:
+        await asyncio.gather(*(c.close() for c in comms))
+    monkeypatch.setenv("AHCOMM_MAILBOX_BYTES", "192")
+    await check_matrix(size, rng, single_copy=False)
+
+
+async def test_selected_for_large_calls_on_one_host() -> None:
+    comms = await ahcomm.init_inprocess(2)
+    try:
+        for op in ("broadcast", "all_gather"):
+            assert comms[0].explain(op, 2, np.float32)[0] == "oneshot"
+            assert comms[0].explain(op, 16 << 20, np.float32)[0] == "direct"  # 64 MiB
+        assert "direct" not in comms[0].explain("all_reduce", 16 << 20, np.float32)[1]
+    finally:
+        await asyncio.gather(*(c.close() for c in comms))
+
+
+@pytest.mark.parametrize("op", ["broadcast", "all_gather"])
+def test_copies_one_per_byte(op: str) -> None:
+    topo = Topology(rank=0, size=2, hosts=("h", "h"), link_kinds=("self", "sdma"), all_mapped=True,
+                    single_copy=True, mailbox=1 << 18)
+    call = Call(op=op, seq=0, dtype=np.dtype(np.float32), count=1 << 20)
+    entry = copies("direct", call, topo)
+    assert entry is not None and (entry["owner"], entry["reader"], entry["single_copy"]) == (0, 1, True)
+    staged = copies("direct", call, Topology(**{**topo.__dict__, "single_copy": False}))
+    assert staged is not None and (staged["total"], staged["single_copy"]) == (2, False)
+
+
+async def test_a_failing_read_fails_every_rank(monkeypatch: pytest.MonkeyPatch) -> None:
+    def broken(self: object, dst: np.ndarray, addr: int, run: object) -> None:
+        raise OSError(14, "simulated process_vm_readv failure")
+
+    monkeypatch.setattr(inproc.InprocLink, "read", broken)
+    comms = await ahcomm.init_inprocess(3)
+    try:
+        futs = [c.all_gather(np.ones(1 << 18, np.float32), algorithm="direct") for c in comms]
+        results = await asyncio.wait_for(asyncio.gather(*futs, return_exceptions=True), 10)
+        assert all(isinstance(r, (OSError, ahcomm.AhcommError)) for r in results), results
+    finally:
+        await asyncio.gather(*(c.close() for c in comms), return_exceptions=True)
+
+
+async def test_abort_while_a_reader_is_missing() -> None:
+    """The root published; rank 2 never joins and aborts: the root's wait fails, no hang."""
+    comms = await ahcomm.init_inprocess(3)
+    try:
+        futs = [comms[r].broadcast(np.ones(1 << 20, np.float32), 0, algorithm="direct") for r in (0, 1)]
+        await asyncio.sleep(0.05)
+        assert not any(f.done() for f in futs)
+        comms[2].abort("stop")
+        for fut in futs:
+            with pytest.raises(ahcomm.PeerFailure, match=r"rank 2 aborted"):
+                await asyncio.wait_for(fut, 5)
+    finally:
+        await asyncio.gather(*(c.close() for c in comms), return_exceptions=True)
+
+
+# -- real processes ------------------------------------------------------------------------------
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("n", [2, 3, 4])
+@pytest.mark.parametrize("no_cma", [False, True])
+def test_real_processes(n: int, no_cma: bool) -> None:
+    if no_cma and n == 3:
+        pytest.skip("the fallback is checked at 2 and 4 ranks")
+    proc = run_job(n, str(HERE / "mp_direct.py"), timeout=240, env={
+        "PYTHONPATH": f"{HERE}{os.pathsep}{HERE.parent}", "AHCOMM_TRANSPORT": "sdma", "AHCOMM_BUFFSIZE": "1",
+        "NO_CMA": "1" if no_cma else "0"})
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    path = "staged" if no_cma else "single_copy"
+    for r in range(n):
+        assert re.search(rf"\[{r}\] OK rank {r} single_copy {not no_cma} paths \[\('direct\.{path}', \d+\)\]",
+                         out), out
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("n", [2, 3])
+def test_a_killed_peer_fails_the_others(n: int, tmp_path: Path) -> None:
+    proc = run_job(n, str(HERE / "mp_direct.py"), timeout=120, grace=20, env={
+        "PYTHONPATH": f"{HERE}{os.pathsep}{HERE.parent}", "AHCOMM_TRANSPORT": "sdma", "MODE": "kill",
+        "KILL_FILE": str(tmp_path / "killed"), "AHCOMM_EXEC_TIMEOUT": "60"})
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 128 + 9, out  # the victim's SIGKILL is the job's status
+    lines = re.findall(r"\[(\d+)\] DETECTED rank \d+ type=(\w+) cause=(\w+) after=([\d.]+) msg=(.*)", proc.stdout)
+    assert sorted(int(rank) for rank, *_ in lines) == [r for r in range(n) if r != 1], out
+    for _, kind, cause, after, msg in lines:
+        assert "PeerFailure" in (kind, cause) and "rank 1" in msg, out
+        assert float(after) < 15, out
+
+
+async def test_split_groups_run_direct_beside_the_parent(rng: np.random.Generator) -> None:
+    """Groups of a 5-rank world (colors by parity) read their members' buffers through their own
+    mailboxes, interleaved with the parent's calls."""
+    xs = [rng.integers(-9, 9, 70_001).astype(np.float32) for _ in range(5)]
+
+    async def body(comm: ahcomm.Comm) -> tuple[Any, Any, Any]:
+        group = await comm.split(comm.rank % 2)
+        assert group is not None
+        try:
+            members = [p for p in range(5) if p % 2 == comm.rank % 2]
+            mine = await group.all_gather(xs[comm.rank], algorithm="direct")
+            world = await comm.broadcast(xs[comm.rank].copy(), 3, algorithm="direct")
+            theirs = await group.broadcast(xs[comm.rank].copy(), group.size - 1, algorithm="direct")
+            assert group.stats()["paths"] == {"direct.single_copy": 2}
+            return mine, world, (members, theirs)
+        finally:
+            await group.close()
+
+    for mine, world, (members, theirs) in await run_inproc(5, body):
+        np.testing.assert_array_equal(mine.reshape(-1), np.concatenate([xs[p] for p in members]))
+        np.testing.assert_array_equal(world, xs[3])
+        np.testing.assert_array_equal(theirs, xs[members[-1]])
+
+
+def test_the_estimate_does_not_depend_on_this_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every rank must price a call alike: the copy threads in the estimate come from the model's
+    cores (rank 0's), not from this process's affinity or AHCOMM_DIRECT_THREADS."""
+    from ahcomm.algorithms.cost import CostModel
+    topo = Topology(rank=0, size=2, hosts=("h", "h"), link_kinds=("self", "sdma"), all_mapped=True,
+                    single_copy=True, mailbox=1 << 18)
+    call = Call(op="broadcast", seq=0, dtype=np.dtype(np.float32), count=1 << 24)
+    model = CostModel(cores=2)
+    before = direct.Direct().cost(call, topo, model)
+    monkeypatch.setattr(direct, "_cores", lambda: 64)
+    monkeypatch.setenv("AHCOMM_DIRECT_THREADS", "1")
+    assert direct.threads(call, topo) == 1
+    assert direct.Direct().cost(call, topo, model) == before
+
+
+async def test_non_contiguous_inputs_and_outputs_are_staged(rng: np.random.Generator) -> None:
+    """A strided input, and a strided broadcast output, go through the communicator's contiguous
+    staging: direct publishes and reads only flat buffers, and the results land in place."""
+    xs = [rng.integers(-9, 9, (300, 2)).astype(np.float64) for _ in range(3)]
+
+    async def body(comm: ahcomm.Comm) -> tuple[Any, Any]:
+        gathered = await comm.all_gather(xs[comm.rank][:, 1], algorithm="direct")  # stride 16 bytes
+        out = np.zeros((300, 2))
+        got = await comm.broadcast(xs[comm.rank][:, 0], 2, out=out[:, 1], algorithm="direct")
+        assert np.shares_memory(got, out) and not out[:, 0].any()
+        return gathered, out[:, 1].copy()
+
+    for gathered, bcast in await run_inproc(3, body, transport="sdma"):
+        np.testing.assert_array_equal(gathered.reshape(-1), np.concatenate([x[:, 1] for x in xs]))
+        np.testing.assert_array_equal(bcast, xs[2][:, 0])
