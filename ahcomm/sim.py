@@ -145,7 +145,7 @@ class World:
 
     def __init__(self, n: int, k: int, model: CostModel, *, check: bool, contention: bool) -> None:
         self.n, self.k, self.model = n, k, model
-        self.loop = VirtualLoop()
+        self.loop = VirtualLoop()  # type: ignore[abstract]
         params = {kind: LinkParams(c.alpha, c.beta) for kind, c in model.links.items()}
         self.net = SimNetwork(self.loop, k, params, contention=contention, check=check)
         size = CHECK_BUFFSIZE if check else BUFFSIZE
@@ -214,17 +214,10 @@ def _simulate_memory(stream: Stream, world: World) -> None:
         span = nbytes * (model.gamma if isinstance(fn, np.ufunc) else model.copy)
         if span <= 0:
             return None
-        fut: asyncio.Future[None] = net.loop.create_future()
-        net.loop.call_at(net.loop.now + span, _settle, fut)
-        return fut
+        return net.loop.settle_at(net.loop.now + span)
 
     stream.memory = memory  # type: ignore[method-assign]
     stream._sim = True  # type: ignore[attr-defined]
-
-
-def _settle(fut: asyncio.Future[None]) -> None:
-    if not fut.done():
-        fut.set_result(None)
 
 
 def _shapes(op: str, n: int, count: int) -> tuple[int, int]:

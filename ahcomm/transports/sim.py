@@ -15,64 +15,18 @@ only in ``check`` mode (small arrays compared with numpy by ``ahcomm.sim``).
 
 from __future__ import annotations
 
-import asyncio
-import selectors
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
+from ._simloop import SimDeadlock, VirtualLoop
 from .base import MAX_CONTROL, Link, MemoryRunner, MessageKey, as_bytes
 
+__all__ = ["INTER", "INTRA", "LinkParams", "SimDeadlock", "SimLink", "SimNetwork", "VirtualLoop"]
+
 INTRA, INTER = "sdma", "rdma"  # the link kinds the algorithms see: inside a server, between servers
-
-
-class SimDeadlock(RuntimeError):
-    """Every simulated rank waits and nothing is scheduled: the algorithm can never finish."""
-
-
-class _VirtualSelector(selectors.SelectSelector):
-    def __init__(self) -> None:
-        super().__init__()
-        self.loop: VirtualLoop | None = None
-
-    def select(self, timeout: float | None = None) -> list[tuple[selectors.SelectorKey, int]]:
-        loop = self.loop
-        assert loop is not None
-        if timeout is not None and timeout > 0:
-            scheduled = loop._scheduled  # type: ignore[attr-defined]
-            loop.now = max(loop.now, scheduled[0].when()) if scheduled else loop.now + timeout
-        elif timeout is None and not loop._ready:  # type: ignore[attr-defined]
-            loop.deadlocked = True
-            loop.stop()
-        return super().select(0)
-
-
-class VirtualLoop(asyncio.SelectorEventLoop):
-    """An event loop in virtual time: ``time()`` is ``now``, which jumps to the next timer."""
-
-    def __init__(self) -> None:
-        selector = _VirtualSelector()
-        super().__init__(selector)
-        selector.loop = self
-        self.now = 0.0
-        self.deadlocked = False
-        self._clock_resolution = 1e-12
-
-    def time(self) -> float:
-        return self.now
-
-    def run_sim(self, main: Awaitable[Any]) -> Any:
-        """Run ``main`` to completion; raise ``SimDeadlock`` if every task waits forever."""
-        task = asyncio.ensure_future(main, loop=self)
-        task.add_done_callback(lambda _: self.stop())
-        self.run_forever()
-        if not task.done():
-            task.cancel()
-            self.run_until_complete(asyncio.gather(task, return_exceptions=True))
-            raise SimDeadlock(f"simulation deadlock at t={self.now * 1e6:.3f} us: every rank waits, nothing in flight")
-        return task.result()
 
 
 @dataclass(frozen=True)
@@ -99,7 +53,7 @@ class SimNetwork:
         return INTRA if a // self.ranks_per_server == b // self.ranks_per_server else INTER
 
     def at(self, when: float, fn: Callable[..., Any], *args: Any) -> None:
-        self.loop.call_at(when, fn, *args)
+        self.loop.at(when, fn, *args)
 
     def transfer(self, src: int, dst: int, kind: str, nbytes: int) -> float:
         """Reserve the ports for ``nbytes`` from ``src`` to ``dst``; the time the last byte left."""
@@ -113,11 +67,6 @@ class SimNetwork:
         start = max(now, self.busy.get(out, 0.0), self.busy.get(into, 0.0))
         end = self.busy[out] = self.busy[into] = start + span
         return end
-
-
-def _settle(fut: asyncio.Future[None]) -> None:
-    if not fut.done():
-        fut.set_result(None)
 
 
 class SimLink(Link):
@@ -145,9 +94,7 @@ class SimLink(Link):
         end = self.net.transfer(self.rank, self.peer, self.kind, data.nbytes)
         if end <= self.net.loop.now:
             return None
-        fut: asyncio.Future[None] = self.net.loop.create_future()
-        self.net.at(end, _settle, fut)
-        return fut
+        return self.net.loop.settle_at(end)
 
     def send_control(self, payload: bytes) -> None:
         if len(payload) > MAX_CONTROL:
