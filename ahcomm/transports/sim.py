@@ -44,7 +44,7 @@ class SimNetwork:
     params: dict[str, LinkParams]
     contention: bool = True
     check: bool = False
-    busy: dict[tuple[int, str, int], float] = field(default_factory=dict)  # (rank, kind, 0 out/1 in) -> until
+    busy: dict[int, float] = field(default_factory=dict)  # port (``port()``) -> busy until
     bytes_by_kind: dict[str, int] = field(default_factory=lambda: {INTRA: 0, INTER: 0})
     puts: int = 0
     posts: int = 0
@@ -55,18 +55,22 @@ class SimNetwork:
     def at(self, when: float, fn: Callable[..., Any], *args: Any) -> None:
         self.loop.at(when, fn, *args)
 
-    def transfer(self, src: int, dst: int, kind: str, nbytes: int) -> float:
-        """Reserve the ports for ``nbytes`` from ``src`` to ``dst``; the time the last byte left."""
+    def transfer(self, out: int, into: int, kind: str, nbytes: int, beta: float) -> float:
+        """Reserve ports ``out`` and ``into`` (``port`` numbers) for ``nbytes``; when the last byte left."""
         now = self.loop.now
-        span = nbytes * self.params[kind].beta
         self.bytes_by_kind[kind] += nbytes
         self.puts += 1
         if not self.contention:
-            return now + span
-        out, into = (src, kind, 0), (dst, kind, 1)
-        start = max(now, self.busy.get(out, 0.0), self.busy.get(into, 0.0))
-        end = self.busy[out] = self.busy[into] = start + span
+            return now + nbytes * beta
+        busy = self.busy
+        start = max(now, busy.get(out, 0.0), busy.get(into, 0.0))
+        end = busy[out] = busy[into] = start + nbytes * beta
         return end
+
+    @staticmethod
+    def port(rank: int, kind: str, incoming: bool) -> int:
+        """A port's key in ``busy``: per rank, link kind and direction (a port moves one thing at a time)."""
+        return rank * 4 + (2 if kind == INTER else 0) + incoming
 
 
 class SimLink(Link):
@@ -77,24 +81,34 @@ class SimLink(Link):
         self.net = net
         self.twin: SimLink | None = None
         self._peer_buffers = peer_buffers  # the peer's (CCL_In, CCL_Out): written only in check mode
+        params = net.params[self.kind]
+        self.alpha, self.beta = params.alpha, params.beta
+        self._out, self._in = net.port(rank, self.kind, False), net.port(peer, self.kind, True)
 
     def post(self, signal: int, index: int, seq: int, value: int = 0, fingerprint: int = 0) -> None:
-        assert self.twin is not None
+        twin = self.twin
+        assert twin is not None
         self.signals_sent += 1
-        self.net.posts += 1
-        self.net.at(self.net.loop.now + self.net.params[self.kind].alpha, self.twin.deliver, signal, index, seq,
-                    value, fingerprint)
+        net = self.net
+        net.posts += 1
+        when = net.loop.now + self.alpha
+        if value or twin.events is not None:  # a value, or a fingerprint to check: the full delivery
+            net.loop.at(when, twin.deliver, signal, index, seq, value, fingerprint)
+        else:  # the flag itself, found now: one call when it lands
+            net.loop.at(when, twin.notify(signal, index, seq).post)
 
     def put(self, src: np.ndarray, buf: str, offset: int, seq: int, run: MemoryRunner) -> "Awaitable[Any] | None":
-        data = as_bytes(src)
-        self.bytes_sent += data.nbytes
-        if self.net.check:
+        net = self.net
+        nbytes = src.nbytes
+        self.bytes_sent += nbytes
+        if net.check:
+            data = as_bytes(src)
             target = self._peer_buffers[0 if buf == "in" else 1]
-            target[offset:offset + data.nbytes] = data
-        end = self.net.transfer(self.rank, self.peer, self.kind, data.nbytes)
-        if end <= self.net.loop.now:
+            target[offset:offset + nbytes] = data
+        end = net.transfer(self._out, self._in, self.kind, nbytes, self.beta)
+        if end <= net.loop.now:
             return None
-        return self.net.loop.settle_at(end)
+        return net.loop.settle_at(end)
 
     def send_control(self, payload: bytes) -> None:
         if len(payload) > MAX_CONTROL:
