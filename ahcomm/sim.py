@@ -30,6 +30,7 @@ from ._stream import Stream
 from .algorithms import REGISTRY, Algorithm, Call, CostModel, LinkCost, Topology
 from .algorithms._executor import Executor, Progress
 from .algorithms._selection import Selector
+from .algorithms.channels import SLOTS as CHANNEL_SLOTS
 from .transports.base import Link
 from .transports.sim import INTER, INTRA, LinkParams, SimInterLink, SimIntraLink, SimLink, SimNetwork, VirtualLoop
 
@@ -325,6 +326,15 @@ def candidates(op: str, n: int, k: int, nbytes: int, dtype: str = "float32") -> 
     return [name for name, a in REGISTRY.algorithms.items() if a.select(call, topo)]
 
 
+def _channel_piece(n: int) -> float:
+    """The bytes of one ``Channels`` piece on ``n`` ranks with the default buffers (a slot of the
+    sender's region at the receiver, at most ``PIECE_BYTES``)."""
+    from .algorithms.channels import PIECE_BYTES
+
+    region = BUFFSIZE // 2 // max(1, n - 1)
+    return float(min(region // CHANNEL_SLOTS, PIECE_BYTES))
+
+
 def closed_form(op: str, algorithm: str, n: int, k: int, nbytes: int, model: CostModel) -> float | None:
     """The textbook alpha-beta seconds of all_reduce by ring, RHD (``n`` a power of two) or hier
     (``n`` a multiple of ``k``) on this cluster; None for anything else. Pure alpha-beta: no
@@ -340,22 +350,29 @@ def closed_form(op: str, algorithm: str, n: int, k: int, nbytes: int, model: Cos
     a1, b1 = model.links[INTER].alpha, model.links[INTER].beta
     m = float(nbytes)
     if algorithm == "ring":  # a chain around the ring (mean hop), or the slowest port busy all along
+        from .algorithms.ring import SLOTS as RING_SLOTS
+
         inter = 1 if n > k else 0
         hops = n // k if n > k else 0  # hops between servers in the ring (k divides n)
         a_mean = ((n - hops) * a0 + hops * a1) / n
         b_mean = ((n - hops) * b0 + hops * b1) / n
-        b_max = b1 if inter else b0
-        steps = 2 * (n - 1)
-        return max(steps * (a_mean + m / n * b_mean), steps * m / n * b_max)
+        a_max, b_max = (a1, b1) if inter else (a0, b0)
+        steps, c = 2 * (n - 1), m / n
+        # a step forwards what the last one received (one hop), but a link carries at most SLOTS
+        # pieces per credit round trip (put, DataSignal, Ack); the last Acks come back at the end
+        step = max(a_mean + c * b_mean, (2 * a_max + c * b_max) / RING_SLOTS)
+        return max(steps * step + a_max, steps * c * b_max)
     if algorithm == "rhd":
         if n & (n - 1):
             return None
+        piece = _channel_piece(n)
         total, d, part = 0.0, n // 2, m / 2
         while d >= 1:  # halving at p/2, p/4, ..., 1 moves m/2, m/4, ...; doubling mirrors it
             a, b = (a0, b0) if d < k else (a1, b1)
-            total += 2 * (a + part * b)
+            pieces = max(1.0, part / piece)  # Channels: SLOTS pieces per credit round trip
+            total += 2 * (a + max(part * b, pieces / CHANNEL_SLOTS * (2 * a + min(part, piece) * b) - a))
             d, part = d // 2, part / 2
-        return total
+        return total + (a1 if n > k else a0)  # the last credits (Acks) of the widest step come back
     if algorithm == "hier":
         if n % k or n <= k:
             return None
