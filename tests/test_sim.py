@@ -118,3 +118,31 @@ def test_model_file_is_a_calibration(tmp_path: Path, capsys: pytest.CaptureFixtu
     slow = json.loads(capsys.readouterr().out)["time_us"]
     assert CostModel.from_dict(json.loads(path.read_text())).links["rdma"].alpha == 50e-6
     assert slow > 5 * fast
+
+
+@pytest.mark.parametrize("n", [1024, 4096])
+def test_selector_counts_small_channel_pieces(n: int) -> None:
+    """At 1,024+ ranks Channels' pieces are a few KiB (a slot per possible sender), so RHD and NHR
+    move 64 MiB in thousands of credit-bound pieces (RHD's closed form: 42 ms against ring's 6.5 ms
+    at 1,024 ranks): the selector must not pick them there (it did, counting 1 MiB pieces)."""
+    from ahcomm.algorithms.channels import channel_piece
+
+    assert 8 << 10 <= channel_piece(1024) < 9 << 10 and channel_piece(2) == 1 << 20
+    model = replace(reference_model(), gamma=0.0, copy=0.0)
+    assert closed_form("all_reduce", "rhd", 1024, 8, 64 << 20, model) > 5 * closed_form(  # type: ignore[operator]
+        "all_reduce", "ring", 1024, 8, 64 << 20, model)
+    pick = _pick(n, 64 << 20)
+    assert pick not in ("rhd", "nhr"), pick
+
+
+def _pick(n: int, nbytes: int) -> str:
+    import numpy as np
+
+    from ahcomm._dtypes import ReduceOp
+    from ahcomm.algorithms import REGISTRY, Call
+    from ahcomm.algorithms._selection import Selector
+    from ahcomm.sim import World
+
+    world = World(n, 8, reference_model(), check=False, contention=True)
+    call = Call(op="all_reduce", seq=0, dtype=np.dtype("float32"), count=nbytes // 4, redop=ReduceOp.SUM, root=0)
+    return Selector(REGISTRY, "", reference_model()).choose(call, world.topology(0)).name
