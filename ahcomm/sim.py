@@ -144,11 +144,12 @@ class Result:
 class World:
     """``n`` simulated ranks, ``k`` per server, on one ``VirtualLoop``."""
 
-    def __init__(self, n: int, k: int, model: CostModel, *, check: bool, contention: bool) -> None:
+    def __init__(self, n: int, k: int, model: CostModel, *, check: bool, contention: bool, cpu: bool = False) -> None:
         self.n, self.k, self.model = n, k, model
         self.loop = VirtualLoop()  # type: ignore[abstract]
         params = {kind: LinkParams(c.alpha, c.beta) for kind, c in model.links.items()}
-        self.net = SimNetwork(self.loop, k, params, contention=contention, check=check)
+        self.net = SimNetwork(self.loop, k, params, contention=contention, check=check,
+                              cores=model.cores if cpu else 0, task=model.task if cpu and model.cores else 0.0)
         size = CHECK_BUFFSIZE if check else BUFFSIZE
         if check:
             self.buffers = [(np.zeros(size, np.uint8), np.zeros(size, np.uint8)) for _ in range(n)]
@@ -190,18 +191,18 @@ class World:
         ex._unmapped = []  # puts complete when their bytes left: nothing to flush
         if not self.net.check:  # one shared scratch, never written (the executor's is pre-faulted per rank)
             ex.scratch = self.scratch  # type: ignore[method-assign]
-        _simulate_memory(ex.main, self)
+        _simulate_memory(ex.main, self, rank)
         make = ex._substreams
 
         def substreams(count: int) -> list[Stream]:
             for stream in make(count):
-                _simulate_memory(stream, self)
+                _simulate_memory(stream, self, rank)
             return ex.subs[:count]
         ex._substreams = substreams  # type: ignore[method-assign]
         return ex
 
 
-def _simulate_memory(stream: Stream, world: World) -> None:
+def _simulate_memory(stream: Stream, world: World, rank: int) -> None:
     """Charge a stream's copies and reductions in virtual time (and do them in check mode)."""
     if getattr(stream, "_sim", False):
         return
@@ -215,7 +216,7 @@ def _simulate_memory(stream: Stream, world: World) -> None:
         span = nbytes * (model.gamma if isinstance(fn, np.ufunc) else model.copy)
         if span <= 0:
             return None
-        return net.loop.settle_at(net.loop.now + span)
+        return net.loop.settle_at(net.cpu(rank, span))
 
     stream.memory = memory  # type: ignore[method-assign]
     stream._sim = True  # type: ignore[attr-defined]
@@ -236,7 +237,7 @@ def _data(rank: int, size: int, dtype: np.dtype) -> np.ndarray:
 
 def simulate(op: str, n: int, k: int, nbytes: int, algorithm: str | None = None, *, dtype: str = "float32",
              model: CostModel | None = None, straggler: tuple[int, float] | None = None, check: bool = False,
-             contention: bool = True) -> Result:
+             contention: bool = True, cpu: bool = False) -> Result:
     """Simulate one ``op`` of ``nbytes`` (per rank: the vector, or its block for all_gather and
     reduce_scatter) on ``n`` ranks, ``k`` per server; ``algorithm`` None: the selector's pick."""
     import time
@@ -251,7 +252,7 @@ def simulate(op: str, n: int, k: int, nbytes: int, algorithm: str | None = None,
     model = model or reference_model()
     dt = np.dtype(dtype)
     count = nbytes // dt.itemsize
-    world = World(n, k, model, check=check, contention=contention)
+    world = World(n, k, model, check=check, contention=contention, cpu=cpu)
     redop = ReduceOp.SUM if op in ("all_reduce", "reduce_scatter") else None
     call = Call(op=op, seq=0, dtype=dt, count=count, redop=redop, root=0)
     selector = Selector(REGISTRY, "", model)
@@ -360,6 +361,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--model", default=None, help="link model JSON (ahcomm-bench calibrate output)")
     p.add_argument("--straggler", type=_straggler, default=None, metavar="RANK:US")
     p.add_argument("--no-contention", action="store_true", help="ports never queue (closed-form comparisons)")
+    p.add_argument("--cpu", action="store_true", help="the model's cores per server are shared by copies, "
+                   "reductions, puts and posts (its task seconds each): a host like this one")
     p.add_argument("--check", action="store_true", help="move real data and compare with numpy")
     p.add_argument("--json", action="store_true", help="one JSON object per line")
     args = p.parse_args(argv)
@@ -369,7 +372,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                                                             args.ranks_per_server, args.size)
         for name in names:
             r = simulate(args.op, args.ranks, args.ranks_per_server, args.size, name, dtype=args.dtype, model=model,
-                         straggler=args.straggler, check=args.check, contention=not args.no_contention)
+                         straggler=args.straggler, check=args.check, contention=not args.no_contention, cpu=args.cpu)
             if args.json:
                 print(json.dumps(r.__dict__), flush=True)
             else:

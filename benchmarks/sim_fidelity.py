@@ -7,7 +7,8 @@ vs measured (``ahcomm-bench``) ring all_reduce, all_gather and broadcast at 2 an
 Without ``--model`` it calibrates first into a private file (``AHCOMM_TUNING_FILE``: the
 user's cached calibration is not touched). The same algorithm (ring, ``--algorithm``) runs
 in both, all ranks on one server (``sdma`` links). ``ahcomm-bench`` sizes count every block of
-all_gather; the simulator's count one rank's block.
+all_gather; the simulator's count one rank's block. ``with --cpu``: the simulator's CPU pool
+(the model's cores per server shared by copies, reductions, puts; its per-notify cost per post).
 """
 
 from __future__ import annotations
@@ -70,12 +71,14 @@ def main() -> None:
                         continue
                     per_rank = size // n if op == "all_gather" else size
                     r = simulate(op, n, n, per_rank, args.algorithm, model=model)
-                    ratio = r.time_us / measured[size]
+                    c = simulate(op, n, n, per_rank, args.algorithm, model=model, cpu=True)  # shared cores
+                    ratio, cratio = r.time_us / measured[size], c.time_us / measured[size]
                     load = _load()
                     rows.append({"op": op, "ranks": n, "bytes": size, "measured_us": measured[size],
-                                 "predicted_us": r.time_us, "ratio": ratio, "load": load})
-                    print(f"| {op} | {n} | {size} | {measured[size]:.0f} | {r.time_us:.0f} | {ratio:.2f} | {load} |",
-                          flush=True)
+                                 "predicted_us": r.time_us, "ratio": ratio, "predicted_cpu_us": c.time_us,
+                                 "ratio_cpu": cratio, "load": load})
+                    print(f"| {op} | {n} | {size} | {measured[size]:.0f} | {r.time_us:.0f} | {ratio:.2f} | "
+                          f"{c.time_us:.0f} | {cratio:.2f} | {load} |", flush=True)
         if args.json:
             Path(args.json).write_text(json.dumps({"model": model.to_dict(), "rows": rows}, indent=1))
 

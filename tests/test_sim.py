@@ -146,3 +146,14 @@ def _pick(n: int, nbytes: int) -> str:
     world = World(n, 8, reference_model(), check=False, contention=True)
     call = Call(op="all_reduce", seq=0, dtype=np.dtype("float32"), count=nbytes // 4, redop=ReduceOp.SUM, root=0)
     return Selector(REGISTRY, "", reference_model()).choose(call, world.topology(0)).name
+
+
+def test_cpu_pool_and_notify_cost() -> None:
+    """--cpu: a server's ranks share the model's cores (copies, reductions, puts) and pay its task
+    seconds per post; fewer cores, longer call; without --cpu the model's cores are ignored."""
+    base = replace(reference_model(), task=5e-6)
+    times = [simulate("all_reduce", 4, 4, 4 << 20, "ring", model=replace(base, cores=c), cpu=True).time_us
+             for c in (1, 2, 8)]
+    assert times[0] > times[1] > times[2]
+    free = simulate("all_reduce", 4, 4, 4 << 20, "ring", model=replace(base, cores=1)).time_us
+    assert free < times[2]

@@ -15,6 +15,7 @@ only in ``check`` mode (small arrays compared with numpy by ``ahcomm.sim``).
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -48,6 +49,19 @@ class SimNetwork:
     bytes_by_kind: dict[str, int] = field(default_factory=lambda: {INTRA: 0, INTER: 0})
     puts: int = 0
     posts: int = 0
+    cores: int = 0  # CPUs per server shared by its ranks' copies, reductions, puts and posts (0: unlimited)
+    task: float = 0.0  # CPU seconds per post (with cores)
+    cpus: dict[int, list[float]] = field(default_factory=dict)  # server -> heap of its CPUs' busy-until
+
+    def cpu(self, rank: int, span: float) -> float:
+        """Run ``span`` seconds of work on one of ``rank``'s server's CPUs; when it ends."""
+        now = self.loop.now
+        if self.cores <= 0:
+            return now + span
+        free = self.cpus.setdefault(rank // self.ranks_per_server, [0.0] * self.cores)
+        end = max(now, heapq.heappop(free)) + span
+        heapq.heappush(free, end)
+        return end
 
     def kind(self, a: int, b: int) -> str:
         return INTRA if a // self.ranks_per_server == b // self.ranks_per_server else INTER
@@ -91,11 +105,14 @@ class SimLink(Link):
         self.signals_sent += 1
         net = self.net
         net.posts += 1
-        when = net.loop.now + self.alpha
+        sent = net.cpu(self.rank, net.task) if net.task else net.loop.now
+        when = sent + self.alpha
         if value or twin.events is not None:  # a value, or a fingerprint to check: the full delivery
             net.loop.at(when, twin.deliver, signal, index, seq, value, fingerprint)
         else:  # the flag itself, found now: one call when it lands
             net.loop.at(when, twin.notify(signal, index, seq).post)
+        if sent > net.loop.now:  # the posting stream is busy for the post's CPU time
+            return net.loop.settle_at(sent)  # type: ignore[return-value]
 
     def put(self, src: np.ndarray, buf: str, offset: int, seq: int, run: MemoryRunner) -> "Awaitable[Any] | None":
         net = self.net
@@ -106,6 +123,8 @@ class SimLink(Link):
             target = self._peer_buffers[0 if buf == "in" else 1]
             target[offset:offset + nbytes] = data
         end = net.transfer(self._out, self._in, self.kind, nbytes, self.beta)
+        if net.cores > 0:  # a copy into the peer's mapped memory by this rank's CPU
+            end = max(end, net.cpu(self.rank, nbytes * self.beta))
         if end <= net.loop.now:
             return None
         return net.loop.settle_at(end)
