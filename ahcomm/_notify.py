@@ -8,7 +8,7 @@ makes every later wait raise it: that is how an abort reaches a stream blocked o
 from __future__ import annotations
 
 import asyncio
-from collections import deque
+from collections.abc import Awaitable
 
 
 class Notify:
@@ -17,7 +17,7 @@ class Notify:
     def __init__(self, name: str = "notify") -> None:
         self.name = name
         self._value = 0
-        self._waiters: deque[asyncio.Future[None]] = deque()
+        self._waiters: list[asyncio.Future[None]] = []  # rarely more than one; a deque costs 10x the memory
         self._error: BaseException | None = None
         self.overruns = 0  # posts that found the flag already at 1 (a protocol smell)
 
@@ -27,8 +27,9 @@ class Notify:
 
     def post(self) -> None:
         """Set the flag; hand it straight to the oldest waiter if one is blocked."""
-        while self._waiters:
-            fut = self._waiters.popleft()
+        waiters = self._waiters
+        while waiters:
+            fut = waiters.pop(0)
             if not fut.done():
                 fut.set_result(None)  # the waiter consumes the post: the flag stays 0
                 return
@@ -44,6 +45,10 @@ class Notify:
             self._value = 0
             return True
         return False
+
+    def wait_task(self) -> Awaitable[None] | None:
+        """``wait()`` as a stream task: None when the flag was set (consumed at once)."""
+        return None if self.try_wait() else self.wait()
 
     async def wait(self) -> None:
         """Wait for the flag, then reset it to 0."""
@@ -66,7 +71,7 @@ class Notify:
         """Wake every waiter with ``error``; later waits raise it too."""
         self._error = error
         while self._waiters:
-            fut = self._waiters.popleft()
+            fut = self._waiters.pop(0)
             if not fut.done():
                 fut.set_exception(error)
 

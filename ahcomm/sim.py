@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from ._dtypes import ReduceOp
+from ._simform import closed_form
 from ._stream import Stream
 from .algorithms import REGISTRY, Algorithm, Call, CostModel, LinkCost, Topology
 from .algorithms._executor import Executor, Progress
@@ -143,11 +144,12 @@ class Result:
 class World:
     """``n`` simulated ranks, ``k`` per server, on one ``VirtualLoop``."""
 
-    def __init__(self, n: int, k: int, model: CostModel, *, check: bool, contention: bool) -> None:
+    def __init__(self, n: int, k: int, model: CostModel, *, check: bool, contention: bool, cpu: bool = False) -> None:
         self.n, self.k, self.model = n, k, model
-        self.loop = VirtualLoop()
+        self.loop = VirtualLoop()  # type: ignore[abstract]
         params = {kind: LinkParams(c.alpha, c.beta) for kind, c in model.links.items()}
-        self.net = SimNetwork(self.loop, k, params, contention=contention, check=check)
+        self.net = SimNetwork(self.loop, k, params, contention=contention, check=check,
+                              cores=model.cores if cpu else 0, task=model.task if cpu and model.cores else 0.0)
         size = CHECK_BUFFSIZE if check else BUFFSIZE
         if check:
             self.buffers = [(np.zeros(size, np.uint8), np.zeros(size, np.uint8)) for _ in range(n)]
@@ -189,18 +191,18 @@ class World:
         ex._unmapped = []  # puts complete when their bytes left: nothing to flush
         if not self.net.check:  # one shared scratch, never written (the executor's is pre-faulted per rank)
             ex.scratch = self.scratch  # type: ignore[method-assign]
-        _simulate_memory(ex.main, self)
+        _simulate_memory(ex.main, self, rank)
         make = ex._substreams
 
         def substreams(count: int) -> list[Stream]:
             for stream in make(count):
-                _simulate_memory(stream, self)
+                _simulate_memory(stream, self, rank)
             return ex.subs[:count]
         ex._substreams = substreams  # type: ignore[method-assign]
         return ex
 
 
-def _simulate_memory(stream: Stream, world: World) -> None:
+def _simulate_memory(stream: Stream, world: World, rank: int) -> None:
     """Charge a stream's copies and reductions in virtual time (and do them in check mode)."""
     if getattr(stream, "_sim", False):
         return
@@ -214,17 +216,10 @@ def _simulate_memory(stream: Stream, world: World) -> None:
         span = nbytes * (model.gamma if isinstance(fn, np.ufunc) else model.copy)
         if span <= 0:
             return None
-        fut: asyncio.Future[None] = net.loop.create_future()
-        net.loop.call_at(net.loop.now + span, _settle, fut)
-        return fut
+        return net.loop.settle_at(net.cpu(rank, span))
 
     stream.memory = memory  # type: ignore[method-assign]
     stream._sim = True  # type: ignore[attr-defined]
-
-
-def _settle(fut: asyncio.Future[None]) -> None:
-    if not fut.done():
-        fut.set_result(None)
 
 
 def _shapes(op: str, n: int, count: int) -> tuple[int, int]:
@@ -242,7 +237,7 @@ def _data(rank: int, size: int, dtype: np.dtype) -> np.ndarray:
 
 def simulate(op: str, n: int, k: int, nbytes: int, algorithm: str | None = None, *, dtype: str = "float32",
              model: CostModel | None = None, straggler: tuple[int, float] | None = None, check: bool = False,
-             contention: bool = True) -> Result:
+             contention: bool = True, cpu: bool = False) -> Result:
     """Simulate one ``op`` of ``nbytes`` (per rank: the vector, or its block for all_gather and
     reduce_scatter) on ``n`` ranks, ``k`` per server; ``algorithm`` None: the selector's pick."""
     import time
@@ -257,7 +252,7 @@ def simulate(op: str, n: int, k: int, nbytes: int, algorithm: str | None = None,
     model = model or reference_model()
     dt = np.dtype(dtype)
     count = nbytes // dt.itemsize
-    world = World(n, k, model, check=check, contention=contention)
+    world = World(n, k, model, check=check, contention=contention, cpu=cpu)
     redop = ReduceOp.SUM if op in ("all_reduce", "reduce_scatter") else None
     call = Call(op=op, seq=0, dtype=dt, count=count, redop=redop, root=0)
     selector = Selector(REGISTRY, "", model)
@@ -332,51 +327,6 @@ def candidates(op: str, n: int, k: int, nbytes: int, dtype: str = "float32") -> 
     return [name for name, a in REGISTRY.algorithms.items() if a.select(call, topo)]
 
 
-def closed_form(op: str, algorithm: str, n: int, k: int, nbytes: int, model: CostModel) -> float | None:
-    """The textbook alpha-beta seconds of all_reduce by ring, RHD (``n`` a power of two) or hier
-    (``n`` a multiple of ``k``) on this cluster; None for anything else. Pure alpha-beta: no
-    compute, no contention (compare with ``simulate(..., contention=False)`` and a model whose
-    ``gamma`` and ``copy`` are 0). Ring is bound by its slowest link; an RHD step at distance d
-    stays inside a server when d < k; hier follows ``ahcomm.algorithms.hierarchical``'s costs
-    (level-1 ring for chunks above ``RHD_BYTES``, RHD below; segments from 2 ``SEGMENT_BYTES``)."""
-    from .algorithms.hierarchical import MAX_SEGMENTS, RHD_BYTES, SEGMENT_BYTES
-
-    if op != "all_reduce" or n < 2:
-        return None
-    a0, b0 = model.links[INTRA].alpha, model.links[INTRA].beta
-    a1, b1 = model.links[INTER].alpha, model.links[INTER].beta
-    m = float(nbytes)
-    if algorithm == "ring":  # a chain around the ring (mean hop), or the slowest port busy all along
-        inter = 1 if n > k else 0
-        hops = n // k if n > k else 0  # hops between servers in the ring (k divides n)
-        a_mean = ((n - hops) * a0 + hops * a1) / n
-        b_mean = ((n - hops) * b0 + hops * b1) / n
-        b_max = b1 if inter else b0
-        steps = 2 * (n - 1)
-        return max(steps * (a_mean + m / n * b_mean), steps * m / n * b_max)
-    if algorithm == "rhd":
-        if n & (n - 1):
-            return None
-        total, d, part = 0.0, n // 2, m / 2
-        while d >= 1:  # halving at p/2, p/4, ..., 1 moves m/2, m/4, ...; doubling mirrors it
-            a, b = (a0, b0) if d < k else (a1, b1)
-            total += 2 * (a + part * b)
-            d, part = d // 2, part / 2
-        return total
-    if algorithm == "hier":
-        if n % k or n <= k:
-            return None
-        s = n // k
-        segments = min(MAX_SEGMENTS, int(m // SEGMENT_BYTES)) if m >= 2 * SEGMENT_BYTES else 1
-        seg = m / segments
-        t0 = 2 * (a0 + (k - 1) / k * seg * b0)
-        chunk = seg / k
-        steps = 2 * (s - 1) if chunk > RHD_BYTES else 2 * max(0, (s - 1).bit_length())
-        t1 = steps * a1 + 2 * (s - 1) / s * chunk * b1
-        return t0 + t1 + (segments - 1) * max(t0, t1)
-    return None
-
-
 # -- the command line ------------------------------------------------------------------------------
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mb": 1 << 20, "mib": 1 << 20,
           "g": 1 << 30, "gb": 1 << 30, "gib": 1 << 30}
@@ -411,6 +361,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--model", default=None, help="link model JSON (ahcomm-bench calibrate output)")
     p.add_argument("--straggler", type=_straggler, default=None, metavar="RANK:US")
     p.add_argument("--no-contention", action="store_true", help="ports never queue (closed-form comparisons)")
+    p.add_argument("--cpu", action="store_true", help="the model's cores per server are shared by copies, "
+                   "reductions, puts and posts (its task seconds each): a host like this one")
     p.add_argument("--check", action="store_true", help="move real data and compare with numpy")
     p.add_argument("--json", action="store_true", help="one JSON object per line")
     args = p.parse_args(argv)
@@ -420,7 +372,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                                                             args.ranks_per_server, args.size)
         for name in names:
             r = simulate(args.op, args.ranks, args.ranks_per_server, args.size, name, dtype=args.dtype, model=model,
-                         straggler=args.straggler, check=args.check, contention=not args.no_contention)
+                         straggler=args.straggler, check=args.check, contention=not args.no_contention, cpu=args.cpu)
             if args.json:
                 print(json.dumps(r.__dict__), flush=True)
             else:

@@ -6,6 +6,7 @@ of its two levels at their own link kinds.
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -29,24 +30,13 @@ class Layout:
     """
 
     def __init__(self, topo: Topology) -> None:
-        names = list(dict.fromkeys(topo.hosts))
-        self.ranks = [[r for r, h in enumerate(topo.hosts) if h == name] for name in names]
-        self.server = [names.index(h) for h in topo.hosts]
-        self.S = len(names)
+        self.ranks, self.server = _servers(topo.hosts)  # shared by every rank's layout: read only
+        self.S = len(self.ranks)
         self.G = max(len(r) for r in self.ranks)
         self.me = topo.rank
         self.s = self.server[self.me]
         self.local = self.ranks[self.s]
         self.peers = [p for p in self.local if p != self.me]
-        self._holders = [self._hold(s, topo.size) for s in range(self.S)]
-
-    def _hold(self, s: int, n: int) -> list[int]:
-        ranks = self.ranks[s]
-        others = [b for b in range(n) if self.server[b] != s]
-        out = list(range(n))
-        for i, b in enumerate(others):
-            out[b] = ranks[i % len(ranks)]
-        return out
 
     def owner(self, s: int, c: int) -> int:
         """The rank of server ``s`` that owns chunk ``c``."""
@@ -58,11 +48,32 @@ class Layout:
         return [self.owner(s, c) for s in range(self.S)]
 
     def holder(self, s: int, b: int) -> int:
-        """The rank of server ``s`` that owns rank ``b``'s block."""
-        return self._holders[s][b]
+        """The rank of server ``s`` that owns rank ``b``'s block: ``b`` itself on its own server,
+        else round-robin over the ranks of ``s`` in the order of the other servers' ranks."""
+        if self.server[b] == s:
+            return b
+        ranks = self.ranks[s]
+        return ranks[(b - bisect_left(ranks, b)) % len(ranks)]  # b's index among the ranks not on s
 
     def sizes(self) -> list[int]:
         return [len(r) for r in self.ranks]
+
+
+@lru_cache(maxsize=8)
+def _servers(hosts: tuple[str, ...]) -> tuple[list[list[int]], list[int]]:
+    """(ranks of each server, server of each rank), servers in the order of their lowest rank:
+    O(n) once per job, where each rank's layout used to cost O(servers x n)."""
+    index: dict[str, int] = {}
+    ranks: list[list[int]] = []
+    server: list[int] = []
+    for r, h in enumerate(hosts):
+        s = index.get(h)
+        if s is None:
+            s = index[h] = len(ranks)
+            ranks.append([])
+        ranks[s].append(r)
+        server.append(s)
+    return ranks, server
 
 
 @lru_cache(maxsize=64)

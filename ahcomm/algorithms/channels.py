@@ -36,9 +36,17 @@ from .._errors import ConfigError
 from .._stream import Stream
 from ..transports.base import Signal
 from .base import Context, OpRun, aligned
+from .cost import HALF_BYTES
 
 SLOTS = 4  # credits per (sender, receiver) pair: pieces in flight on one link
 PIECE_BYTES = 1 << 20  # largest piece: small enough to pipeline a step, big enough to amortise a notify
+
+
+def channel_piece(n: int, half_bytes: int = HALF_BYTES) -> int:
+    """The largest piece ``Channels`` sends on ``n`` ranks: a slot of the sender's region at the
+    receiver (``half_bytes / (n - 1) / SLOTS``), at most ``PIECE_BYTES``: 8 KiB at 1,024 ranks
+    with the default buffers, so costs that count pieces must not assume ``PIECE_BYTES``."""
+    return max(64, min(PIECE_BYTES, half_bytes // max(1, n - 1) // SLOTS))
 
 
 class Channels:

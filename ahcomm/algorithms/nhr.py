@@ -34,7 +34,7 @@ from collections.abc import Iterator
 import numpy as np
 
 from .base import Algorithm, Call, Context, Resources, Topology, split
-from .channels import PIECE_BYTES
+from .channels import channel_piece
 from .cost import CostModel, Work, engine_tasks, npieces
 from .rhd import Mover
 
@@ -149,8 +149,9 @@ class NHR(Algorithm):
         share = (n - 1) / n * whole
         puts = 1 + topo.all_mapped
         sent = [_slices(n, k) * whole / n for k in range(s)]  # what each step sends
-        posts = 2 * sum(npieces(b, PIECE_BYTES) for b in sent)
-        big = puts * sum(engine_tasks(b, PIECE_BYTES) for b in sent)
+        piece = channel_piece(topo.size)  # Channels' pieces shrink as 1 / (n - 1)
+        posts = 2 * sum(npieces(b, piece) for b in sent)
+        big = puts * sum(engine_tasks(b, piece) for b in sent)
         if op == "all_reduce":
             work = Work(rounds=2 * s + 1, handoffs=2 * s, link=4 * share, reduced=share, copied=share + whole,
                         tasks=2 * posts, engines=2 * big + engine_tasks(whole))

@@ -32,7 +32,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from .base import Algorithm, Call, Context, Resources, Topology, split
-from .channels import PIECE_BYTES, Channels, Lane
+from .channels import Channels, Lane, channel_piece
 from .cost import CostModel, Work, engine_tasks, npieces
 
 Span = tuple[int, int]  # [lo, hi) in virtual ranks or in elements
@@ -117,10 +117,11 @@ class RHD(Algorithm):
         folded = int(fold.r > 0)
         puts = 1 + topo.all_mapped
         halves = [whole / 2 ** k for k in range(1, steps + 1)]  # what each step sends
-        posts = 2 * sum(npieces(h, PIECE_BYTES) for h in halves)
-        big = puts * sum(engine_tasks(h, PIECE_BYTES) for h in halves)
-        fold_posts = 2 * folded * npieces(whole, PIECE_BYTES)
-        fold_big = 2 * folded * puts * engine_tasks(whole, PIECE_BYTES)
+        piece = channel_piece(n)  # small at large n: a piece per slot of 1 / (n - 1) of CCL_In
+        posts = 2 * sum(npieces(h, piece) for h in halves)
+        big = puts * sum(engine_tasks(h, piece) for h in halves)
+        fold_posts = 2 * folded * npieces(whole, piece)
+        fold_big = 2 * folded * puts * engine_tasks(whole, piece)
         if op == "all_reduce":
             work = Work(rounds=2 * steps + 1 + 2 * folded, handoffs=2 * steps - 1 + 2 * folded,
                         link=4 * share + 2 * folded * whole, reduced=share + folded * whole, copied=share,

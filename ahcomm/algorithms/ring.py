@@ -28,7 +28,8 @@ P b), P = ceil(m / piece) pieces of min(CCL half / SLOTS, PIECE_BYTES).
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Hashable, Iterable, Iterator
+from itertools import islice
 
 import numpy as np
 
@@ -39,6 +40,7 @@ from .cost import CostModel, Work, engine_tasks, npieces
 
 PIECE_BYTES = 2 << 20
 SLOTS = 4  # receive slots per rank: up to this many pieces in flight on each ring link
+WINDOW = 64  # pieces enqueued ahead on each stream (ring_pass): a rank's tasks stay O(WINDOW), not O(n)
 
 Send = tuple[np.ndarray, Hashable | None]  # (source, local key to wait for first)
 Recv = tuple[np.ndarray, np.ndarray | None, Hashable]  # (destination, reduce operand or None, key)
@@ -50,33 +52,72 @@ def _piece_elems(ctx: Context) -> tuple[int, int]:
     return slot, max(1, min(slot, PIECE_BYTES) // ctx.call.itemsize)
 
 
-async def ring_pass(ctx: Context, sends: list[Send], recvs: list[Recv]) -> None:
-    """Run the sends to the next rank and the receives from the previous one."""
+async def ring_pass(ctx: Context, sends: Iterable[Send], recvs: Iterable[Recv]) -> None:
+    """Run the sends to the next rank and the receives from the previous one.
+
+    At most about ``WINDOW`` pieces are enqueued ahead on each stream, so that a rank holds
+    O(WINDOW) tasks and views rather than O(n) (``sends`` and ``recvs`` may be generators) and
+    its first put does not wait for every step of a large ring to be enqueued. The receive
+    stream feeds itself: the last task of a window enqueues the next one, so receives never
+    wait for this rank's sends (a peer's credits only need our receives). The main stream runs
+    a window of sends (``synchronize``) before the next one is made. The run ends with a
+    ``synchronize`` once the last receive is enqueued (a marker queued earlier would pass
+    the receives enqueued after it)."""
     n, r = ctx.size, ctx.rank
     nxt, prv = (r + 1) % n, (r - 1) % n
     slot_bytes, _ = _piece_elems(ctx)
     tx, rx = ctx.main, ctx.subs[0]
-    for k, (src, dep) in enumerate(sends):
-        if dep is not None:
-            tx.wait(ctx.local(dep))
-        if k >= SLOTS:
-            ctx.wait(tx, nxt, Signal.ACK, k % SLOTS)
-        ctx.put(tx, nxt, src, "in", (k % SLOTS) * slot_bytes)
-        ctx.post(tx, nxt, Signal.DATA, k % SLOTS)
-    for k in range(max(0, len(sends) - SLOTS), len(sends)):
-        ctx.wait(tx, nxt, Signal.ACK, k % SLOTS)  # drain the credits: flags rest at 0
     ufunc = ctx.ufunc
-    for k, (dst, operand, key) in enumerate(recvs):
-        ctx.wait(rx, prv, Signal.DATA, k % SLOTS)
-        landed = ctx.typed(ctx.ccl_in, (k % SLOTS) * slot_bytes, dst.size)
-        if operand is None:
-            rx.copy(dst, landed)
-        else:
-            assert ufunc is not None
-            rx.reduce(ufunc, dst, operand, landed)
-        ctx.post(rx, prv, Signal.ACK, k % SLOTS)
-        rx.post(ctx.local(key))
+    recv_it = iter(recvs)
+    received = 0
+
+    def feed() -> None:  # enqueue a window of receives on rx, then a task that enqueues the next
+        nonlocal received
+        j = received
+        for dst, operand, key in islice(recv_it, WINDOW):
+            ctx.wait(rx, prv, Signal.DATA, j % SLOTS)
+            landed = ctx.typed(ctx.ccl_in, (j % SLOTS) * slot_bytes, dst.size)
+            if operand is None:
+                rx.copy(dst, landed)
+            else:
+                assert ufunc is not None
+                rx.reduce(ufunc, dst, operand, landed)
+            ctx.post(rx, prv, Signal.ACK, j % SLOTS)
+            rx.post(ctx.local(key))
+            j += 1
+        full, received = j - received == WINDOW, j
+        if full:
+            rx.call(feed)
+        else:  # all enqueued: a synchronize() from now on covers every receive
+            ctx.local(_FED).post()
+
+    feed()
+    k = 0  # pieces sent (enqueued)
+    for window in _windows(sends):
+        if k:
+            await tx.synchronize()  # run the last window's sends (the main stream runs when synchronized)
+        for src, dep in window:
+            if dep is not None:
+                tx.wait(ctx.local(dep))
+            if k >= SLOTS:
+                ctx.wait(tx, nxt, Signal.ACK, k % SLOTS)
+            ctx.put(tx, nxt, src, "in", (k % SLOTS) * slot_bytes)
+            ctx.post(tx, nxt, Signal.DATA, k % SLOTS)
+            k += 1
+    for s in range(max(0, k - SLOTS), k):
+        ctx.wait(tx, nxt, Signal.ACK, s % SLOTS)  # drain the credits: flags rest at 0
+    await tx.synchronize()  # our sends first: the receives still to come need them (around the ring)
+    await ctx.local(_FED).wait()  # then rx's marker must follow its last receive (a failure fails the flag)
     await ctx.synchronize()
+
+
+_FED = ("ring_pass", "receives enqueued")  # a local notify's key: no algorithm key is a 2-tuple of str
+
+
+def _windows(sends: Iterable[Send]) -> Iterator[list[Send]]:
+    it = iter(sends)
+    while window := list(islice(it, WINDOW)):
+        yield window
 
 
 class Ring(Algorithm):
@@ -132,17 +173,21 @@ class Ring(Algorithm):
             ctx.main.post(ctx.local("init"))
             ctx.subs[0].wait(ctx.local("init"))
         chunks = split(dst.size, n)
-        sends: list[Send] = []
-        recvs: list[Recv] = []
-        for i in range(2 * (n - 1)):
-            reducing = i < n - 1
-            send_c = (r - i) % n if reducing else (r + 1 - (i - n + 1)) % n
-            recv_c = (send_c - 1) % n
-            for a, b in pieces(*chunks[send_c], step):
-                sends.append((dst[a:b], ("rx", i - 1, a) if i else None))
-            for a, b in pieces(*chunks[recv_c], step):
-                recvs.append((dst[a:b], dst[a:b] if reducing else None, ("rx", i, a)))
-        await ring_pass(ctx, sends, recvs)
+
+        def sent(i: int) -> int:  # the chunk this rank sends at step i (reduce-scatter, then all-gather)
+            return (r - i) % n if i < n - 1 else (r + 1 - (i - n + 1)) % n
+
+        def sends() -> Iterator[Send]:  # generators: ring_pass takes a window at a time
+            for i in range(2 * (n - 1)):
+                for a, b in pieces(*chunks[sent(i)], step):
+                    yield dst[a:b], ("rx", i - 1, a) if i else None
+
+        def recvs() -> Iterator[Recv]:  # step i receives the chunk the previous rank sends
+            for i in range(2 * (n - 1)):
+                for a, b in pieces(*chunks[(sent(i) - 1) % n], step):
+                    yield dst[a:b], dst[a:b] if i < n - 1 else None, ("rx", i, a)
+
+        await ring_pass(ctx, sends(), recvs())
 
     async def _all_gather(self, ctx: Context) -> None:
         n, r, src, dst = ctx.size, ctx.rank, ctx.src, ctx.dst

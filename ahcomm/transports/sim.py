@@ -15,64 +15,19 @@ only in ``check`` mode (small arrays compared with numpy by ``ahcomm.sim``).
 
 from __future__ import annotations
 
-import asyncio
-import selectors
+import heapq
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
+from ._simloop import SimDeadlock, VirtualLoop
 from .base import MAX_CONTROL, Link, MemoryRunner, MessageKey, as_bytes
 
+__all__ = ["INTER", "INTRA", "LinkParams", "SimDeadlock", "SimLink", "SimNetwork", "VirtualLoop"]
+
 INTRA, INTER = "sdma", "rdma"  # the link kinds the algorithms see: inside a server, between servers
-
-
-class SimDeadlock(RuntimeError):
-    """Every simulated rank waits and nothing is scheduled: the algorithm can never finish."""
-
-
-class _VirtualSelector(selectors.SelectSelector):
-    def __init__(self) -> None:
-        super().__init__()
-        self.loop: VirtualLoop | None = None
-
-    def select(self, timeout: float | None = None) -> list[tuple[selectors.SelectorKey, int]]:
-        loop = self.loop
-        assert loop is not None
-        if timeout is not None and timeout > 0:
-            scheduled = loop._scheduled  # type: ignore[attr-defined]
-            loop.now = max(loop.now, scheduled[0].when()) if scheduled else loop.now + timeout
-        elif timeout is None and not loop._ready:  # type: ignore[attr-defined]
-            loop.deadlocked = True
-            loop.stop()
-        return super().select(0)
-
-
-class VirtualLoop(asyncio.SelectorEventLoop):
-    """An event loop in virtual time: ``time()`` is ``now``, which jumps to the next timer."""
-
-    def __init__(self) -> None:
-        selector = _VirtualSelector()
-        super().__init__(selector)
-        selector.loop = self
-        self.now = 0.0
-        self.deadlocked = False
-        self._clock_resolution = 1e-12
-
-    def time(self) -> float:
-        return self.now
-
-    def run_sim(self, main: Awaitable[Any]) -> Any:
-        """Run ``main`` to completion; raise ``SimDeadlock`` if every task waits forever."""
-        task = asyncio.ensure_future(main, loop=self)
-        task.add_done_callback(lambda _: self.stop())
-        self.run_forever()
-        if not task.done():
-            task.cancel()
-            self.run_until_complete(asyncio.gather(task, return_exceptions=True))
-            raise SimDeadlock(f"simulation deadlock at t={self.now * 1e6:.3f} us: every rank waits, nothing in flight")
-        return task.result()
 
 
 @dataclass(frozen=True)
@@ -90,34 +45,46 @@ class SimNetwork:
     params: dict[str, LinkParams]
     contention: bool = True
     check: bool = False
-    busy: dict[tuple[int, str, int], float] = field(default_factory=dict)  # (rank, kind, 0 out/1 in) -> until
+    busy: dict[int, float] = field(default_factory=dict)  # port (``port()``) -> busy until
     bytes_by_kind: dict[str, int] = field(default_factory=lambda: {INTRA: 0, INTER: 0})
     puts: int = 0
     posts: int = 0
+    cores: int = 0  # CPUs per server shared by its ranks' copies, reductions, puts and posts (0: unlimited)
+    task: float = 0.0  # CPU seconds per post (with cores)
+    cpus: dict[int, list[float]] = field(default_factory=dict)  # server -> heap of its CPUs' busy-until
+
+    def cpu(self, rank: int, span: float) -> float:
+        """Run ``span`` seconds of work on one of ``rank``'s server's CPUs; when it ends."""
+        now = self.loop.now
+        if self.cores <= 0:
+            return now + span
+        free = self.cpus.setdefault(rank // self.ranks_per_server, [0.0] * self.cores)
+        end = max(now, heapq.heappop(free)) + span
+        heapq.heappush(free, end)
+        return end
 
     def kind(self, a: int, b: int) -> str:
         return INTRA if a // self.ranks_per_server == b // self.ranks_per_server else INTER
 
     def at(self, when: float, fn: Callable[..., Any], *args: Any) -> None:
-        self.loop.call_at(when, fn, *args)
+        self.loop.at(when, fn, *args)
 
-    def transfer(self, src: int, dst: int, kind: str, nbytes: int) -> float:
-        """Reserve the ports for ``nbytes`` from ``src`` to ``dst``; the time the last byte left."""
+    def transfer(self, out: int, into: int, kind: str, nbytes: int, beta: float) -> float:
+        """Reserve ports ``out`` and ``into`` (``port`` numbers) for ``nbytes``; when the last byte left."""
         now = self.loop.now
-        span = nbytes * self.params[kind].beta
         self.bytes_by_kind[kind] += nbytes
         self.puts += 1
         if not self.contention:
-            return now + span
-        out, into = (src, kind, 0), (dst, kind, 1)
-        start = max(now, self.busy.get(out, 0.0), self.busy.get(into, 0.0))
-        end = self.busy[out] = self.busy[into] = start + span
+            return now + nbytes * beta
+        busy = self.busy
+        start = max(now, busy.get(out, 0.0), busy.get(into, 0.0))
+        end = busy[out] = busy[into] = start + nbytes * beta
         return end
 
-
-def _settle(fut: asyncio.Future[None]) -> None:
-    if not fut.done():
-        fut.set_result(None)
+    @staticmethod
+    def port(rank: int, kind: str, incoming: bool) -> int:
+        """A port's key in ``busy``: per rank, link kind and direction (a port moves one thing at a time)."""
+        return rank * 4 + (2 if kind == INTER else 0) + incoming
 
 
 class SimLink(Link):
@@ -128,26 +95,39 @@ class SimLink(Link):
         self.net = net
         self.twin: SimLink | None = None
         self._peer_buffers = peer_buffers  # the peer's (CCL_In, CCL_Out): written only in check mode
+        params = net.params[self.kind]
+        self.alpha, self.beta = params.alpha, params.beta
+        self._out, self._in = net.port(rank, self.kind, False), net.port(peer, self.kind, True)
 
     def post(self, signal: int, index: int, seq: int, value: int = 0, fingerprint: int = 0) -> None:
-        assert self.twin is not None
+        twin = self.twin
+        assert twin is not None
         self.signals_sent += 1
-        self.net.posts += 1
-        self.net.at(self.net.loop.now + self.net.params[self.kind].alpha, self.twin.deliver, signal, index, seq,
-                    value, fingerprint)
+        net = self.net
+        net.posts += 1
+        sent = net.cpu(self.rank, net.task) if net.task else net.loop.now
+        when = sent + self.alpha
+        if value or twin.events is not None:  # a value, or a fingerprint to check: the full delivery
+            net.loop.at(when, twin.deliver, signal, index, seq, value, fingerprint)
+        else:  # the flag itself, found now: one call when it lands
+            net.loop.at(when, twin.notify(signal, index, seq).post)
+        if sent > net.loop.now:  # the posting stream is busy for the post's CPU time
+            return net.loop.settle_at(sent)  # type: ignore[return-value]
 
     def put(self, src: np.ndarray, buf: str, offset: int, seq: int, run: MemoryRunner) -> "Awaitable[Any] | None":
-        data = as_bytes(src)
-        self.bytes_sent += data.nbytes
-        if self.net.check:
+        net = self.net
+        nbytes = src.nbytes
+        self.bytes_sent += nbytes
+        if net.check:
+            data = as_bytes(src)
             target = self._peer_buffers[0 if buf == "in" else 1]
-            target[offset:offset + data.nbytes] = data
-        end = self.net.transfer(self.rank, self.peer, self.kind, data.nbytes)
-        if end <= self.net.loop.now:
+            target[offset:offset + nbytes] = data
+        end = net.transfer(self._out, self._in, self.kind, nbytes, self.beta)
+        if net.cores > 0:  # a copy into the peer's mapped memory by this rank's CPU
+            end = max(end, net.cpu(self.rank, nbytes * self.beta))
+        if end <= net.loop.now:
             return None
-        fut: asyncio.Future[None] = self.net.loop.create_future()
-        self.net.at(end, _settle, fut)
-        return fut
+        return net.loop.settle_at(end)
 
     def send_control(self, payload: bytes) -> None:
         if len(payload) > MAX_CONTROL:

@@ -1,0 +1,87 @@
+"""ahcomm-sim against this host: predicted (with this host's ``ahcomm-bench calibrate`` model)
+vs measured (``ahcomm-bench``) ring all_reduce, all_gather and broadcast at 2 and 4 ranks,
+2 MiB and 64 MiB (issue 15's target: within 25%). Markdown on stdout, with the load average.
+
+    PYTHONPATH=. python benchmarks/sim_fidelity.py [--model calibration.json] [--json rows.json]
+
+Without ``--model`` it calibrates first into a private file (``AHCOMM_TUNING_FILE``: the
+user's cached calibration is not touched). The same algorithm (ring, ``--algorithm``) runs
+in both, all ranks on one server (``sdma`` links). ``ahcomm-bench`` sizes count every block of
+all_gather; the simulator's count one rank's block. ``with --cpu``: the simulator's CPU pool
+(the model's cores per server shared by copies, reductions, puts; its per-notify cost per post).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from ahcomm.sim import load_model, simulate
+
+OPS = ("all_reduce", "all_gather", "broadcast")
+SIZES = (2 << 20, 64 << 20)
+
+
+def _load() -> str:
+    return "/".join(f"{x:.1f}" for x in os.getloadavg())
+
+
+def measure(op: str, n: int, algorithm: str, iters: int, tmp: Path, env: dict[str, str]) -> dict[int, float]:
+    out = tmp / f"{op}-{n}.json"
+    cmd = [sys.executable, "-m", "ahcomm.bench", "-n", str(n), op, "-b", "2M", "-e", "64M", "-f", "32", "-c", "0",
+           "-w", "2", "-i", str(iters), "--max-seconds", "2", "--algorithm", algorithm, "--json", str(out)]
+    subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL)
+    rows = json.loads(out.read_text())["rows"]
+    return {int(r["size"]): float(r["median_us"]) for r in rows}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", default=None, help="a calibration JSON (default: calibrate now)")
+    p.add_argument("--algorithm", default="ring")
+    p.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--json", default=None)
+    args = p.parse_args()
+    with tempfile.TemporaryDirectory() as t:
+        tmp = Path(t)
+        model_path = args.model or str(tmp / "calibration.json")
+        env = {**os.environ, "AHCOMM_TUNING_FILE": model_path}
+        if args.model is None:
+            print(f"Calibrating (load {_load()})...", file=sys.stderr)
+            subprocess.run([sys.executable, "-m", "ahcomm.bench", "calibrate"], check=True, env=env,
+                           stdout=sys.stderr)
+        model = load_model(model_path)
+        print(f"Model: {model.source}; sdma alpha {model.links['sdma'].alpha * 1e6:.1f} us, "
+              f"{1 / model.links['sdma'].beta / 1e9:.2f} GB/s; copy {1 / model.copy / 1e9:.2f} GB/s, "
+              f"reduce {1 / model.gamma / 1e9:.2f} GB/s\n")
+        print("| op | ranks | bytes | measured us (median) | predicted us | predicted/measured | load |")
+        print("|---|---|---|---|---|---|---|")
+        rows = []
+        for n in args.ranks:
+            for op in OPS:
+                measured = measure(op, n, args.algorithm, args.iters, tmp, env)
+                for size in SIZES:
+                    if size not in measured:
+                        continue
+                    per_rank = size // n if op == "all_gather" else size
+                    r = simulate(op, n, n, per_rank, args.algorithm, model=model)
+                    c = simulate(op, n, n, per_rank, args.algorithm, model=model, cpu=True)  # shared cores
+                    ratio, cratio = r.time_us / measured[size], c.time_us / measured[size]
+                    load = _load()
+                    rows.append({"op": op, "ranks": n, "bytes": size, "measured_us": measured[size],
+                                 "predicted_us": r.time_us, "ratio": ratio, "predicted_cpu_us": c.time_us,
+                                 "ratio_cpu": cratio, "load": load})
+                    print(f"| {op} | {n} | {size} | {measured[size]:.0f} | {r.time_us:.0f} | {ratio:.2f} | "
+                          f"{c.time_us:.0f} | {cratio:.2f} | {load} |", flush=True)
+        if args.json:
+            Path(args.json).write_text(json.dumps({"model": model.to_dict(), "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
