@@ -164,14 +164,15 @@ def np_section(n: int, res: dict[str, Any], ops: list[str], level: str = "##") -
     """Markdown for one world size."""
     tools = [t for t in res if t.split(":")[0] in TOOLS]  # ahcomm, its forced variants, gloo, mpi
     out = [f"{level} np={n}", ""]
-    out += [f"{level}# 8-byte all_reduce time (slowest rank's mean us/op)", "",
-            "| tool | size | time (us) |", "|---|---:|---:|"]
-    for t in tools:
-        ar = rows_by(res[t], "all_reduce")
-        s = 8 if 8 in ar else (min(ar) if ar else None)
-        out.append(f"| {t} | {fmt_size(s) if s else '-'} | "
-                   f"{ar[s]['time_us']:.1f} |" if s else f"| {t} | - | - |")
-    out.append("")
+    smallest = {t: min(rows_by(res[t], "all_reduce"), default=None) for t in tools}
+    if any(s is not None for s in smallest.values()):  # the sweep's smallest all_reduce (8 B by default)
+        label = fmt_size(min(s for s in smallest.values() if s is not None))
+        out += [f"{level}# {label} all_reduce time (slowest rank's mean us/op)", "",
+                "| tool | size | time (us) |", "|---|---:|---:|"]
+        for t in tools:
+            ar, s = rows_by(res[t], "all_reduce"), smallest[t]
+            out.append(f"| {t} | {fmt_size(s)} | {ar[s]['time_us']:.1f} |" if s is not None else f"| {t} | - | - |")
+        out.append("")
     peers = [t for t in ("gloo", "mpi") if t in res]
     for op in ops:
         per = {t: rows_by(res[t], op) for t in tools}

@@ -34,16 +34,15 @@ def main(path: str) -> None:
                 cells = [f"{v:.2f}" if v is not None else "-" for v in (a, g, m)]
                 ratios = [f"{a / v:.2f}x" if v else "-" for v in (g, m)]
                 print(f"| {n} | {op} | {label} | " + " | ".join(cells + ratios) + " |")
-    print("\n8-byte all_reduce, mean us per op over ranks:\n")
+    small = [(n, [next((r for r in tools.get(t, {}).get("rows", []) if r["op"] == "all_reduce" and r["size"] == 8),
+                       None) for t in ("ahcomm", "gloo", "mpi")]) for n, tools in res.items()]
+    if not any(row for _, rows in small for row in rows):
+        return  # the sweep had no 8-byte all_reduce
+    print("\n8-byte all_reduce, the slowest rank's mean us per op:\n")
     print("| np | ahcomm | gloo | OpenMPI |")
     print("|---:|---:|---:|---:|")
-    for n, tools in res.items():
-        times = []
-        for t in ("ahcomm", "gloo", "mpi"):
-            row = next((r for r in tools.get(t, {}).get("rows", []) if r["op"] == "all_reduce" and r["size"] == 8), None)
-            times.append(f"{row['time_us']:.1f}" if row else "-")
-        print(f"| {n} | " + " | ".join(times) + " |")
-
+    for n, rows in small:
+        print(f"| {n} | " + " | ".join(f"{row['time_us']:.1f}" if row else "-" for row in rows) + " |")
 
 if __name__ == "__main__":
     main(sys.argv[1] if len(sys.argv) > 1 else str(Path(__file__).parent / "results" / "latest.json"))
