@@ -42,7 +42,7 @@ demo: $(DEMO_STAMP)
 	$(BIN)/ahcomm-run -n $(NP) --tag-output python examples/01_allreduce.py
 	@for op in all_reduce all_gather reduce_scatter broadcast; do \
 	  echo; echo "== ahcomm-bench -n $(NP) $$op -b 8 -e 64M -f 8"; \
-	  $(BIN)/ahcomm-bench -n $(NP) $$op -b 8 -e 64M -f 8 -w 2 -i 10 --max-seconds 0.5 || exit 1; \
+	  $(BIN)/ahcomm-bench -n $(NP) $$op -b 8 -e 64M -f 8 -w 20 -i 200 --max-seconds 0.5 || exit 1; \
 	done
 
 $(BENCH_VENV)/.installed-stamp: benchmarks/requirements-peers.txt
