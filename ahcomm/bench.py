@@ -207,7 +207,13 @@ async def sweep(comm: Any, args: argparse.Namespace, algorithm: str | None) -> l
               f"{'time(us)':>11} {'algbw':>8} {'busbw':>8} {'#wrong':>7}  algorithm", flush=True)
     for nbytes in sizes(args.minbytes, args.maxbytes, args.stepfactor):
         case = Case(comm, args.op, nbytes, dtype, args.redop, args.root, algorithm, args.inplace)
-        picked = algorithm or comm.explain(args.op, case.block, dtype, root=args.root)[0]
+        known = comm.explain(args.op, case.block, dtype, root=args.root)
+        if algorithm is not None and algorithm not in known[1]:  # e.g. eager above one message: not this size
+            if comm.rank == 0:
+                print(f" {case.size:>12} {'':>12} {'':>8} {'':>6} {'':>5} {'-':>11} {'-':>8} {'-':>8} {'-':>7}  "
+                      f"{algorithm} cannot run this size", flush=True)
+            continue
+        picked = algorithm or known[0]
         wrong = await case.check() if args.check else 0
         us, median, count = await measure(case, args.warmup_iters, args.iters, args.max_seconds)
         slowest = await comm.all_reduce(np.array([us, median]), "max")  # the slowest rank's time

@@ -136,6 +136,23 @@ def test_bench_cli_small_sweep(tmp_path: Path) -> None:
     assert all(row["wrong"] == 0 and row["busbw"] > 0 for row in doc["rows"])
 
 
+def test_bench_cli_algorithm_all_skips_sizes_an_algorithm_cannot_run(tmp_path: Path) -> None:
+    """``--algorithm all`` forced eager (messages of at most 64 KiB) on a 256 KiB call and the
+    bench died (InvalidArgument): each algorithm runs the sizes it can, the selector every size."""
+    out = tmp_path / "bench.json"
+    argv = [sys.executable, "-m", "ahcomm.bench", "-n", "2", "all_reduce", "-b", "8", "-e", "256K", "-f", "32768",
+            "-w", "1", "-i", "3", "--algorithm", "all", "--json", str(out)]
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=180, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    import json
+
+    rows = json.loads(out.read_text())["rows"]
+    eager = [row["size"] for row in rows if row["forced"] and row["algorithm"] == "eager"]
+    assert eager == [8], rows  # 256 KiB is over an eager message
+    assert [row["size"] for row in rows if not row["forced"]] == [8, 262144]
+    assert "selector vs measured" in proc.stdout
+
+
 def test_launcher_stops_the_job_when_a_rank_is_killed_mid_collective(tmp_path: Path) -> None:
     script = tmp_path / "killed.py"
     script.write_text(
