@@ -24,7 +24,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from compare import ROOT, fmt_size, run_json
+from compare import ROOT, run_json
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "gather", "scatter", "all_to_all")
 
@@ -71,7 +71,6 @@ def main() -> None:
             print(f"{op:<15} np{np_}: " + " ".join(cell(r, args.tolerance) for r in rows), flush=True)
     cases = [r for rows in results.values() for r in rows]
     hits = sum(1 for r in cases if r["ratio"] <= 1 + args.tolerance)
-    sizes = sorted({r["size"] for r in cases})
     transport = os.environ.get("AHCOMM_TRANSPORT", "sdma (one host)")
     day = datetime.date.today().isoformat()
     stem = f"{day}-selection" + (f"-{args.tag}" if args.tag else "")
@@ -80,7 +79,8 @@ def main() -> None:
         f"`python3 benchmarks/selection_sweep.py --np {args.np} -b {args.minbytes} -e {args.maxbytes} "
         f"-f {args.stepfactor} --max-seconds {args.max_seconds}`; load average at the start "
         f"{load[0]:.2f} / {load[1]:.2f} / {load[2]:.2f} on {os.cpu_count()} cores.", "",
-        "Each row: the selector's pick per size (" + ", ".join(fmt_size(s) for s in sizes) + "); where another "
+        f"Each row: the selector's pick per size, {args.minbytes} to {args.maxbytes} by x{args.stepfactor} (the "
+        "blocked ops' sizes counted as ahcomm-bench counts them); where another "
         f"algorithm measured more than {args.tolerance:.0%} faster, it is named with pick/best.", "",
         f"Pick within {args.tolerance:.0%} of the best: **{hits} of {len(cases)}** cases.", "", "```",
     ]
