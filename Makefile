@@ -62,7 +62,7 @@ compare-quick: $(STAMP) bench-env
 compare-latency: $(STAMP) bench-env
 	$(PYTHON) benchmarks/compare.py --latency
 
-# the selector's pick against the fastest algorithm, every op, np 2 and 4, 8 B..8 MiB (~10 min)
+# the selector's pick against the fastest algorithm, every op, np 2 and 4, 8 B..8 MiB (about a minute)
 selection: $(STAMP)
 	cd benchmarks && ../$(BIN)/python selection_sweep.py
 
