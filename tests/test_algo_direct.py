@@ -133,6 +133,7 @@ async def test_selected_for_large_calls_on_one_host() -> None:
         for op in ("broadcast", "all_gather"):
             assert comms[0].explain(op, 2, np.float32)[0] == "oneshot"
             assert comms[0].explain(op, 16 << 20, np.float32)[0] == "direct"  # 64 MiB
+            assert comms[0].explain(op, 1 << 19, np.float32)[0] == "oneshot"  # 2 MiB: measured 2x faster
         assert "direct" not in comms[0].explain("all_reduce", 16 << 20, np.float32)[1]
     finally:
         await asyncio.gather(*(c.close() for c in comms))

@@ -48,8 +48,10 @@ MIN_SLICE = 512 << 10  # a read is not cut below this to feed a second thread
 INLINE_BYTES = 1 << 20  # a rank's reads below this run inline (a thread hand-off costs more)
 # Per-rank bytes below which the selector leaves an op to the others: a 2 MiB all_gather (blocks of
 # 1 MiB at np=2, 512 KiB at np=4) ran faster through oneshot's cached slots in every one of 3 runs
-# of 3-5 interleaved rounds (np=2 4.3 vs 2.0-3.0 GB/s, np=4 0.9-1.0 vs 0.55-0.66).
-MIN_BYTES = {"all_gather": 4 << 20}
+# of 3-5 interleaved rounds (np=2 4.3 vs 2.0-3.0 GB/s, np=4 0.9-1.0 vs 0.55-0.66). Broadcast alike
+# (quiet host, 2 runs of 200 calls, us): oneshot 2 MiB 321-335 vs direct 685-853 at np=2, 871-879
+# vs 1590-2066 at np=4; 4 MiB 698-786 vs 1094-1277 (np=2); 8 MiB about even, 16 MiB direct ahead.
+MIN_BYTES = {"all_gather": 4 << 20, "broadcast": 4 << 20}
 THREADS = 2  # copy threads per rank at most (AHCOMM_DIRECT_THREADS), used where cores allow
 
 _FALLBACK = OneShot()
