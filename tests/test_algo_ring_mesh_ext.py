@@ -212,7 +212,9 @@ async def test_mesh_single_copy_matches_staged(size: int) -> None:
         out = await run_job(size, body, buffsize=1 << 20, single_copy=single)
         check(cases, [got for got, _ in out], copies)
         read = [n for _, n in out]
-        assert all(n > 0 for n in read) if single else not any(read), read  # who read peers' memory
+        # who read peers' memory: single copy reads whole 280 KB blocks; staged runs receive at most
+        # the small eager messages of the _v ops' count exchanges over the links
+        assert all(n >= 4 * big for n in read) if single else all(n < 4096 for n in read), read
 
 
 async def test_ring_reduce_chain_and_scratch_reuse() -> None:
