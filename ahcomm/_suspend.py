@@ -194,7 +194,8 @@ def _conclude(comm: Suspendable, flags: np.ndarray) -> None:
         released += box.region.nbytes
         unmapped += box_bytes(box.capacity) * (comm.size - 1)
         box.close()
-    elif derived and isinstance(mailbox, Mailbox) and mailbox.own_box is not None:
+    elif derived:
+        assert isinstance(mailbox, Mailbox) and mailbox.own_box is not None
         state.capacity = mailbox.capacity
         released += box_bytes(mailbox.capacity)
         unmapped += box_bytes(mailbox.capacity) * (comm.size - 1)

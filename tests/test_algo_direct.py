@@ -25,6 +25,7 @@ from ahcomm.algorithms.copies import copies
 from ahcomm.transports import inproc
 
 from jobs import run_job
+from support.failing import abort_fails_the_waiters
 from support.inproc import busy_flags, run_inproc
 
 HERE = Path(__file__).parent
@@ -166,17 +167,7 @@ async def test_a_failing_read_fails_every_rank(monkeypatch: pytest.MonkeyPatch) 
 
 async def test_abort_while_a_reader_is_missing() -> None:
     """The root published; rank 2 never joins and aborts: the root's wait fails, no hang."""
-    comms = await ahcomm.init_inprocess(3)
-    try:
-        futs = [comms[r].broadcast(np.ones(1 << 20, np.float32), 0, algorithm="direct") for r in (0, 1)]
-        await asyncio.sleep(0.05)
-        assert not any(f.done() for f in futs)
-        comms[2].abort("stop")
-        for fut in futs:
-            with pytest.raises(ahcomm.PeerFailure, match=r"rank 2 aborted"):
-                await asyncio.wait_for(fut, 5)
-    finally:
-        await asyncio.gather(*(c.close() for c in comms), return_exceptions=True)
+    await abort_fails_the_waiters(lambda c: c.broadcast(np.ones(1 << 20, np.float32), 0, algorithm="direct"), 2)
 
 
 # -- real processes ------------------------------------------------------------------------------

@@ -24,6 +24,7 @@ from ahcomm.testing import local_world
 from ahcomm.transports.base import EAGER_AHEAD, EAGER_BYTES
 
 from jobs import run_job
+from support.failing import abort_fails_the_waiters, mismatch_fails_every_rank
 from support.inproc import links_of, run_inproc
 from support.numerics import assert_close, reduce_ref
 
@@ -237,28 +238,11 @@ async def test_early_arrivals_are_kept_and_bounded() -> None:
 async def test_mismatch_fails_every_rank(transport: str) -> None:
     """Both ranks run eager at seq 0, one an all_reduce, the other an all_gather: the fingerprints
     carried by the messages differ, and both ranks raise naming the mismatch."""
-    comms = await local_world(2, transport=transport)
-    try:
-        futs = [comms[0].all_reduce(np.ones(4, np.float32), algorithm="eager"),
-                comms[1].all_gather(np.ones(4, np.float32), algorithm="eager")]
-        results = await asyncio.wait_for(asyncio.gather(*futs, return_exceptions=True), 20)
-        assert all(isinstance(r, ahcomm.CollectiveMismatchError) for r in results), results
-        assert all("#0 mismatch" in str(r) for r in results), results
-    finally:
-        await asyncio.gather(*(c.close() for c in comms))
+    await mismatch_fails_every_rank(await local_world(2, transport=transport), "eager")
 
 
 async def test_abort_while_waiting() -> None:
-    comms = await ahcomm.init_inprocess(3)
-    try:
-        fut = comms[0].all_reduce(np.ones(4, np.float32), algorithm="eager")
-        await asyncio.sleep(0.05)
-        assert not fut.done()  # rank 0 waits for its peers' messages
-        comms[2].abort("stop")
-        with pytest.raises(ahcomm.PeerFailure, match=r"rank 2 aborted"):
-            await asyncio.wait_for(fut, 5)
-    finally:
-        await asyncio.gather(*(c.close() for c in comms), return_exceptions=True)
+    await abort_fails_the_waiters(lambda c: c.all_reduce(np.ones(4, np.float32), algorithm="eager"), 1)
 
 
 @pytest.mark.multiprocess

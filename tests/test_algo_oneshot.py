@@ -19,6 +19,7 @@ import pytest
 import ahcomm
 from ahcomm.transports import mailbox
 
+from support.failing import abort_fails_the_waiters, mismatch_fails_every_rank
 from support.inproc import run_inproc
 from support.numerics import assert_close, reduce_ref
 
@@ -171,28 +172,11 @@ async def test_selected_for_small_calls_on_one_host(monkeypatch: pytest.MonkeyPa
 async def test_mismatch_in_the_mailbox_fails_every_rank() -> None:
     """Both ranks run oneshot at seq 0, one an all_reduce, the other an all_gather: the
     fingerprints in the slots differ, and both ranks raise naming the mismatch."""
-    comms = await ahcomm.init_inprocess(2)
-    try:
-        futs = [comms[0].all_reduce(np.ones(4, np.float32), algorithm="oneshot"),
-                comms[1].all_gather(np.ones(4, np.float32), algorithm="oneshot")]
-        results = await asyncio.wait_for(asyncio.gather(*futs, return_exceptions=True), 20)
-        assert all(isinstance(r, ahcomm.CollectiveMismatchError) for r in results), results
-        assert all("#0 mismatch" in str(r) for r in results), results
-    finally:
-        await asyncio.gather(*(c.close() for c in comms))
+    await mismatch_fails_every_rank(await ahcomm.init_inprocess(2), "oneshot")
 
 
 async def test_abort_while_waiting_in_the_mailbox() -> None:
-    comms = await ahcomm.init_inprocess(3)
-    try:
-        fut = comms[0].all_reduce(np.ones(4, np.float32), algorithm="oneshot")
-        await asyncio.sleep(0.05)
-        assert not fut.done()  # rank 0 waits for its peers' slots
-        comms[2].abort("stop")
-        with pytest.raises(ahcomm.PeerFailure, match=r"rank 2 aborted"):
-            await asyncio.wait_for(fut, 5)
-    finally:
-        await asyncio.gather(*(c.close() for c in comms), return_exceptions=True)
+    await abort_fails_the_waiters(lambda c: c.all_reduce(np.ones(4, np.float32), algorithm="oneshot"), 1)
 
 
 def test_only_the_last_publisher_wakes_and_only_sleepers() -> None:

@@ -47,14 +47,18 @@ class SdmaLink(MappedAccess, ZmqLink):
 
     def child(self, domain: int, rank: int, peer: int, buffers: CclBuffers, peer_buffers: dict[str, Any],
               on_progress: ProgressHook | None) -> "SdmaLink":
-        try:
-            shm_in, shm_out = (str(name) for name in peer_buffers["shm"])
-            nbytes = int(peer_buffers["buffsize"])
-        except (KeyError, TypeError, ValueError):
-            raise TransportError(f"sdma link {self.rank}->{self.peer}: the peer's buffers for a sub-communicator "
-                                 f"are not in shared memory ({peer_buffers!r})") from None
+        shm_in, shm_out, nbytes = self._shared_names(peer_buffers, "buffers for a sub-communicator")
         return SdmaLink(rank, peer, self.channel, self.endpoint, shm_in, shm_out, nbytes, on_progress, self.pid,
                         parent=self, domain=domain)
+
+    def _shared_names(self, peer_buffers: dict[str, Any], what: str) -> tuple[str, str, int]:
+        """(CCL_In name, CCL_Out name, bytes) of a peer's ``describe_buffers``, or a TransportError."""
+        try:
+            shm_in, shm_out = (str(name) for name in peer_buffers["shm"])
+            return shm_in, shm_out, int(peer_buffers["buffsize"])
+        except (KeyError, TypeError, ValueError):
+            raise TransportError(f"sdma link {self.rank}->{self.peer}: the peer's {what} are not in shared "
+                                 f"memory ({peer_buffers!r})") from None
 
     def unmap_peer_buffers(self) -> int:
         self._remote = (np.empty(0, np.uint8), np.empty(0, np.uint8))  # no view may keep the mapping
@@ -64,12 +68,7 @@ class SdmaLink(MappedAccess, ZmqLink):
         return nbytes
 
     def map_peer_buffers(self, peer_buffers: dict[str, Any]) -> None:
-        try:
-            shm_in, shm_out = (str(name) for name in peer_buffers["shm"])
-            nbytes = int(peer_buffers["buffsize"])
-        except (KeyError, TypeError, ValueError):
-            raise TransportError(f"sdma link {self.rank}->{self.peer}: the peer's new buffers are not in shared "
-                                 f"memory ({peer_buffers!r})") from None
+        shm_in, shm_out, nbytes = self._shared_names(peer_buffers, "new buffers")
         self._regions = (SharedRegion.attach(shm_in, nbytes), SharedRegion.attach(shm_out, nbytes))
         self._remote = (self._regions[0].array, self._regions[1].array)
 
