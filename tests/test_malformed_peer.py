@@ -59,8 +59,10 @@ async def main():
             except ahcomm.CommClosedError:  # the communicator failed: a queued call says why
                 if not calls:
                     raise
-            await calls.popleft()  # a call running at the failure may still complete; one queued cannot
-            assert calls, "every call queued before the failure succeeded"
+            # A call may still complete: one already done when the failure came (its waiter not yet
+            # woken) and one running (its peers had not heard yet). Once none is left, the next
+            # call raises CommClosedError from the failure.
+            await calls.popleft()
         print(f"RANK {r} no error", flush=True)
     except ahcomm.AhcommError as exc:
         text = str(exc).replace("\n", " ")
@@ -102,8 +104,8 @@ def _run(tmp_path: Path, transport: str, case: str, when: str) -> dict[int, tupl
 @pytest.mark.parametrize("transport,case,reason", CASES, ids=[f"{t}-{c.replace(' ', '-')}" for t, c, _ in CASES])
 def test_a_malformed_message_fails_every_rank_with_transport_error(tmp_path: Path, transport: str, case: str,
                                                                    reason: str) -> None:
-    for rank, (kind, _, _, text) in _run(tmp_path, transport, case, "busy").items():
-        assert kind == "TransportError", (rank, text)
+    for rank, (kind, cause, _, text) in _run(tmp_path, transport, case, "busy").items():
+        assert "TransportError" in (kind, cause), (rank, kind, cause, text)  # a pending call's, or the next one's
         assert reason in text, (rank, text)
 
 
