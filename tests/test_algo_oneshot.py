@@ -145,6 +145,50 @@ async def test_back_to_back_calls_reuse_slots(rng: np.random.Generator) -> None:
             np.testing.assert_array_equal(results[rank][k], sum(xs[k]))
 
 
+@pytest.mark.parametrize("size", [3, 4, 5])
+async def test_broadcasts_leave_slots_loose_and_later_calls_wait_for_them(size: int, rng: np.random.Generator) -> None:
+    """A broadcast's non-roots wait for the root only, so a rank may finish it before its peers
+    published theirs: its next publication must wait for them (their slots may still hold data
+    that is being read). Sixty calls issued before any completes - broadcasts from every root
+    between all_gathers and ring all_reduces (which wait for the peers' progress through the
+    CCL buffers: told at their start where broadcasts did not show it) - each checked."""
+    kinds = ["broadcast", "broadcast", "all_gather", "broadcast", "ring"]
+    plan = [(kinds[k % len(kinds)], 1 + k % 7, (k * 7) % size) for k in range(60)]
+    xs = [[values(rng, count * (2 if kind == "ring" else 1), np.int64) for _ in range(size)]
+          for kind, count, _ in plan]
+
+    def issue(comm: ahcomm.Comm, k: int) -> "asyncio.Future[Any]":
+        kind, _, root = plan[k]
+        x = xs[k][comm.rank]
+        if kind == "broadcast":
+            return comm.broadcast(x, root, algorithm="oneshot")
+        if kind == "all_gather":
+            return comm.all_gather(x, algorithm="oneshot")
+        return comm.all_reduce(x, algorithm="ring")
+
+    async def body(comm: ahcomm.Comm) -> list[Any]:
+        return list(await asyncio.wait_for(asyncio.gather(*(issue(comm, k) for k in range(len(plan)))), 30))
+
+    results = await run_inproc(size, body)
+    for rank in range(size):
+        for k, (kind, _, root) in enumerate(plan):
+            want = xs[k][root] if kind == "broadcast" else np.concatenate(xs[k]) if kind == "all_gather" else sum(xs[k])
+            np.testing.assert_array_equal(results[rank][k].reshape(-1), want, err_msg=f"rank {rank} call {k} {kind}")
+
+
+async def test_broadcast_roots_that_differ_fail_every_rank() -> None:
+    """Ranks 0 and 1 each think they are the root: the root waits for every peer's publication
+    and checks it, so both raise CollectiveMismatchError at once (a non-root checks the root's)."""
+    comms = await ahcomm.init_inprocess(3)
+    try:
+        futs = [comms[r].broadcast(np.ones(4, np.float32), root=min(r, 1), algorithm="oneshot") for r in range(3)]
+        results = await asyncio.wait_for(asyncio.gather(*futs, return_exceptions=True), 20)
+        assert all(isinstance(r, ahcomm.CollectiveMismatchError) for r in results[:2]), results
+        assert all("#0 mismatch" in str(r) for r in results[:2]), results
+    finally:
+        await asyncio.gather(*(c.close() for c in comms), return_exceptions=True)
+
+
 async def test_selected_for_small_calls_on_one_host(monkeypatch: pytest.MonkeyPatch) -> None:
     comms = await ahcomm.init_inprocess(4)
     try:

@@ -120,6 +120,7 @@ class Executor:
         self._resources: dict[tuple[Any, ...], Resources] = {}
         self.mailbox: Mailboxes | None = None  # the host's mailboxes (set at init where ``topo.mailbox``)
         self.paths: dict[str, int] = {}  # runs per path where an algorithm has several (``Context.tally``)
+        self._owed = False  # the peers were not told that this rank finished its last run (``_report``)
 
     def bind(self) -> None:
         """Views of the CCL buffers' halves (at creation, and after ``Comm.resume`` renewed them)."""
@@ -178,8 +179,13 @@ class Executor:
                 np.copyto(dst, src)
             self._report(call, communicated=False)
             return
-        if self.progress.low() < call.seq - 2:
-            await self.progress.wait_all(call.seq - 2)
+        if algorithm.uses_ccl:
+            if self._owed:  # tell the peers now what the last runs did not show them (``_report``)
+                self._owed = False
+                for link in self.links.values():
+                    link.send_progress(call.seq)
+            if self.progress.low() < call.seq - 2:
+                await self.progress.wait_all(call.seq - 2)
         res = self._resources_for(algorithm, call)
         subs = self._substreams(res.substreams)
         step = max(1, call.count if call.op in WHOLE else (res.max_count or call.count))
@@ -203,12 +209,18 @@ class Executor:
                 self._ctx = None
         for link in self._unmapped:
             await link.flush()
-        self._report(call, communicated=True, exchanged=algorithm.exchanged(call))
+        self._report(call, communicated=True, exchanged=algorithm.exchanged(call), lazy=not algorithm.uses_ccl)
 
-    def _report(self, call: Call, communicated: bool, exchanged: bool = False) -> None:
+    def _report(self, call: Call, communicated: bool, exchanged: bool = False, lazy: bool = False) -> None:
+        """What the peers learn of this rank's progress: nothing where every peer heard from it in
+        the run; else a progress message to each, or (``lazy``: a run that left the CCL buffers
+        alone) one at the start of the next run that waits for its peers' progress."""
         if communicated and (exchanged or call.op in ALL_DEPENDENT):
             self.progress.all_started(call.seq)
+        elif lazy:
+            self._owed = True
         else:
+            self._owed = False
             for link in self.links.values():
                 link.send_progress(call.seq + 1)
 

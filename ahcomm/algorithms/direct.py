@@ -38,7 +38,7 @@ import numpy as np
 from ..transports.base import DataLink
 from .base import Algorithm, Call, Context, Resources, Topology
 from .cost import CostModel, Work
-from .oneshot import STEP, OneShot, _arrivals
+from .oneshot import STEP, OneShot, _arrivals, publish, settle
 
 OPS = frozenset({"broadcast", "all_gather"})
 # One read task's bytes at most (a failed peer is noticed between slices). Measured at 64 MiB,
@@ -141,6 +141,7 @@ class Direct(Algorithm):
         if not ctx.topo.single_copy:
             ctx.tally("direct.staged")
             await _FALLBACK.orchestrate(ctx)
+            await settle(ctx)  # a broadcast's non-root waited for the root only: direct's runs are exchanged
             return
         ctx.tally("direct.single_copy")
         box = ctx.mailbox
@@ -149,7 +150,7 @@ class Direct(Algorithm):
         src, dst = ctx.src, ctx.dst
         root = call.root
         mine = None if call.op == "broadcast" and r != root else _address(src)
-        tick, _ = box.publish(call.seq, ctx.fingerprint, mine)
+        tick, _ = await publish(ctx, mine)
         await _arrivals(ctx, tick)
         jobs: list[tuple[DataLink, np.ndarray, int]] = []
         if call.op == "broadcast":
@@ -163,7 +164,7 @@ class Direct(Algorithm):
         if local is not None and np.shares_memory(*local):
             local = None  # in place
         await _read_all(jobs, local, threads(call, ctx.topo))
-        tick, _ = box.publish(call.seq, ctx.fingerprint)  # done reading: the owners may go on
+        tick, _ = box.publish(call.seq, ctx.fingerprint)  # done reading: the owners may go on (nothing loose)
         await _arrivals(ctx, tick)
 
 

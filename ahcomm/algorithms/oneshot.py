@@ -51,7 +51,13 @@ def published_bytes(call: Call, size: int) -> int:
 class OneShot(Algorithm):
     name = "oneshot"
     ops = OPS
-    exchanges = True
+    exchanges = True  # but for broadcast: see ``exchanged``
+    uses_ccl = False  # mailboxes only: their own rule (``publish``) guards the slots
+
+    def exchanged(self, call: Call) -> bool:
+        """A broadcast's non-roots wait for the root's publication only (the root waits for
+        every peer's: it checks every fingerprint), so a run proves nothing about the others."""
+        return call.op != "broadcast"
 
     def select(self, call: Call, topo: Topology) -> bool:
         return call.op in OPS and call.counts is None and (topo.size == 1 or topo.mailbox > 0)
@@ -97,15 +103,18 @@ class OneShot(Algorithm):
         seq, op = call.seq, call.op
         src, dst = ctx.src, ctx.dst
         data = None if op == "barrier" or (op == "broadcast" and r != call.root) else src
-        tick, mine = box.publish(seq, ctx.fingerprint, data)
+        tick, mine = await publish(ctx, data)
+        if op == "broadcast" and r != call.root:  # the root's publication is all it reads
+            await _arrivals(ctx, tick, (call.root,))
+            box.loose = (tick, seq, ctx.fingerprint)
+            np.copyto(dst, box.payload(call.root, tick).view(call.dtype).reshape(dst.shape))
+            return
         await _arrivals(ctx, tick)
         if op == "barrier":
             return
         dtype = call.dtype
         if op == "broadcast":
-            if r != call.root:
-                np.copyto(dst, box.payload(call.root, tick).view(dtype).reshape(dst.shape))
-            elif dst is not src:
+            if dst is not src:
                 np.copyto(dst, src)
             return
         if op == "all_gather":  # dst: (n, slice)
@@ -124,12 +133,36 @@ class OneShot(Algorithm):
             ufunc(out, part, out=out)
 
 
-async def _arrivals(ctx: Context, tick: int) -> None:
-    """Until every peer has made publication ``tick``; each one's call is checked on the way."""
+async def publish(ctx: Context, data: np.ndarray | None) -> tuple[int, np.ndarray]:
+    """This run's next publication (``Mailbox.publish``), once every peer's previous one is
+    seen (``settle``)."""
     box = ctx.mailbox
     assert box is not None
-    seq, fp = ctx.call.seq, ctx.fingerprint
-    pending = [p for p in range(ctx.size) if p != ctx.rank]
+    if box.loose is not None:
+        await settle(ctx)
+    return box.publish(ctx.call.seq, ctx.fingerprint, data)
+
+
+async def settle(ctx: Context) -> None:
+    """Until every peer has made this rank's last publication too (a run that waited for some
+    peers only left it ``loose``: their slots may still be read; their calls are checked)."""
+    box = ctx.mailbox
+    assert box is not None
+    loose = box.loose
+    if loose is not None:
+        tick, seq, fp = loose
+        await _arrivals(ctx, tick, call=(seq, fp))
+        box.loose = None
+
+
+async def _arrivals(ctx: Context, tick: int, peers: tuple[int, ...] | None = None,
+                    call: tuple[int, int] | None = None) -> None:
+    """Until every peer (or those of ``peers``) has made publication ``tick``; each one's call is
+    checked on the way against this run's (or ``call``: the seq and fingerprint of ``tick``'s)."""
+    box = ctx.mailbox
+    assert box is not None
+    seq, fp = call if call is not None else (ctx.call.seq, ctx.fingerprint)
+    pending = [p for p in range(ctx.size) if p != ctx.rank] if peers is None else list(peers)
     flag = None
     spin = box.spin.allowed()
     yields = spin and box.spin.yields

@@ -124,6 +124,7 @@ class Mailboxes(Protocol):
 
     capacity: int
     rechecks: int
+    loose: tuple[int, int, int] | None  # (tick, seq, fingerprint): a publication not yet seen from every peer
 
     @property
     def spin(self) -> SpinPolicy: ...

@@ -14,7 +14,9 @@ wait are woken through a descriptor their event loop watches (a FIFO read by
 
 A slot is rewritten by publication ``tick + 2`` only after its writer has seen every peer's
 publication ``tick + 1``, which each peer made after it finished reading publication
-``tick``: no reader is still at it.
+``tick``: no reader is still at it. A run usually waits for every peer's publication anyway;
+one that waits for some only (a broadcast's non-root: the root's) leaves its tick ``loose``,
+and the next publication waits for the rest first.
 
 A waiter checks the flags it needs; only when one is missing does it mark itself asleep (a
 word in its box's header), fence, check again and wait for ``on_wake``. A publisher sets its
@@ -227,6 +229,9 @@ class Mailbox:
         self.rechecks = 0  # looks a sleeping waiter took without a wake-up (oneshot's safety net)
         self.spin = spin_policy(self.size)
         self.on_wake: Waker | None = None  # set by whoever waits; called when a peer published
+        # (tick, seq, fingerprint) of this rank's last publication whose run waited for some peers
+        # only (a broadcast's non-root): every peer's must be seen before the next one (``publish``)
+        self.loose: tuple[int, int, int] | None = None
         self.closed = False
 
     def publish(self, seq: int, fingerprint: int, data: np.ndarray | None = None) -> tuple[int, np.ndarray]:
