@@ -95,6 +95,8 @@ class Selector:
         return self._default(call, topo)
 
     def _from_env(self, call: Call, topo: Topology) -> str | None:
+        if not self.env:
+            return None
         level = 0 if topo.servers == 1 else 1
         # "alltoall=" also covers all_to_all_v, as HCCL_ALGO's alltoall covers AlltoAllV.
         for key in (call.op, call.op.removesuffix("_v"), "*"):

@@ -109,6 +109,14 @@ class Topology:
     def servers(self) -> int:
         return len(set(self.hosts))
 
+    @cached_property
+    def _hash(self) -> int:
+        return hash((self.rank, self.size, self.hosts, self.link_kinds, self.all_mapped, self.single_copy,
+                     self.mailbox, self.eager))
+
+    def __hash__(self) -> int:  # part of the selector's key on every call: hashed once, not per call
+        return self._hash
+
 
 @dataclass(frozen=True)
 class Resources:
