@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import sys
 import time
 from pathlib import Path
@@ -103,4 +104,9 @@ async def main() -> None:
     await comm.close()
 
 
-asyncio.run(main())
+if os.environ.get("AHCOMM_BENCH_LOOP") == "uvloop":  # the same program on uvloop's event loop (if installed)
+    import uvloop
+
+    uvloop.run(main())
+else:
+    asyncio.run(main())
