@@ -42,7 +42,17 @@ from typing import ClassVar
 import numpy as np
 
 from .._errors import ConfigError
-from ._hier import Layout, Price, Streams, group_all_reduce, layout, rhd_all_reduce, ring_all_reduce, tree
+from ._hier import (
+    Layout,
+    Price,
+    Streams,
+    all_reduce_senders,
+    group_all_reduce,
+    layout,
+    rhd_all_reduce,
+    ring_all_reduce,
+    tree,
+)
 from .base import Algorithm, Call, Context, Resources, Topology, split
 from .channels import PIECE_BYTES, Channels, Lane
 from .cost import CostModel, Work, log2up, npieces
@@ -142,7 +152,9 @@ class Hierarchical(Algorithm):
 
     # -- orchestration --------------------------------------------------------------------------
     async def _run(self, ctx: Context) -> None:
-        lay, ch = layout(ctx.topo), Channels(ctx)
+        lay = layout(ctx.topo)
+        # all_reduce's ranks hear from their server and a few level-1 peers: CCL_In regions for those only
+        ch = Channels(ctx, senders=all_reduce_senders(ctx.topo.hosts) if ctx.call.op == "all_reduce" else None)
         st = Streams.of(ctx, lay)
         self._plans[ctx.call.op](self, ctx, lay, ch, st)
         ch.finish()

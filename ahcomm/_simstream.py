@@ -1,0 +1,106 @@
+"""``SimStream``: a ``Stream`` driven by future callbacks instead of a runner task (``ahcomm-sim``).
+
+The real stream runs its queue in an asyncio task (the executor's main stream in whoever
+awaits ``synchronize()``): every task that must wait resumes a chain of coroutines, which is
+most of a simulated step's CPU time at 1,000 ranks. This one keeps the same contract (tasks
+run strictly in order, an idle stream runs a task inside ``submit``, a failure skips the work
+up to the next ``synchronize()``, which raises it) but waits on a task's future with
+``add_done_callback`` and runs the rest of its queue from that callback. A task's awaitable
+that is not a future (a coroutine) is wrapped in a task. Every stream runs as soon as it can
+(there is no inline stream): in virtual time that is the same instant as a ``synchronize()``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from ._stream import Stream, TaskFn, _discard
+
+
+class SimStream(Stream):
+    """A stream whose queue is run from callbacks (no runner task, never inline)."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
+        self._pending: asyncio.Future[Any] | None = None  # what the running task waits for
+        self._scheduled = False  # a _pump is due (call_soon)
+
+    def submit(self, fn: TaskFn) -> None:
+        if self._queue or self._busy or self._error is not None or self._closed:
+            self._push(fn, None)
+            return
+        try:
+            pending = fn()
+        except BaseException as exc:  # noqa: BLE001 - reported at synchronize()
+            self._failed(exc)
+            return
+        if pending is not None:
+            self._await(pending)
+
+    def _push(self, fn: TaskFn, marker: asyncio.Future[None] | None) -> None:
+        if self._closed:
+            raise RuntimeError(f"stream {self.name} is closed")
+        self._queue.append((fn, marker))
+        if not self._busy and not self._scheduled:
+            self._scheduled = True
+            asyncio.get_running_loop().call_soon(self._pump)
+
+    def _await(self, pending: Any) -> None:
+        fut = pending if isinstance(pending, asyncio.Future) else asyncio.ensure_future(pending)
+        self._busy, self._pending = True, fut
+        fut.add_done_callback(self._resume)
+
+    def _resume(self, fut: asyncio.Future[Any]) -> None:
+        self._busy, self._pending = False, None
+        if fut.cancelled():
+            if self._closed:
+                return
+            self._failed(asyncio.CancelledError())
+        else:
+            error = fut.exception()
+            if error is not None:
+                self._failed(error)
+        if not self._scheduled:
+            self._pump()
+
+    def _pump(self) -> None:
+        """Run queued tasks until one must wait (or the queue is empty)."""
+        self._scheduled = False
+        queue = self._queue
+        while queue and not self._busy and not self._closed:
+            fn, marker = queue.popleft()
+            if marker is not None:
+                if not marker.done():
+                    if self._error is not None:
+                        marker.set_exception(self._error)
+                    else:
+                        marker.set_result(None)
+                self._error = None
+                continue
+            if self._error is not None:
+                _discard(fn)
+                continue
+            try:
+                pending = fn()
+            except BaseException as exc:  # noqa: BLE001 - reported at synchronize()
+                self._failed(exc)
+                continue
+            if pending is not None:
+                self._await(pending)
+
+    async def synchronize(self) -> None:
+        if not self._queue and not self._busy:
+            error, self._error = self._error, None
+            if error is not None:
+                raise error
+            return
+        marker: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._push(lambda: None, marker)
+        await marker
+
+    async def close(self) -> None:
+        self._closed = True
+        if self._pending is not None:
+            self._pending.cancel()
+            self._pending = None
