@@ -16,6 +16,7 @@ import asyncio
 from typing import Any
 
 from ._stream import Stream, TaskFn, _discard
+from .transports._simloop import Delay
 
 
 class SimStream(Stream):
@@ -47,9 +48,18 @@ class SimStream(Stream):
             asyncio.get_running_loop().call_soon(self._pump)
 
     def _await(self, pending: Any) -> None:
+        if type(pending) is Delay:  # a simulated put or copy: one timer, no future
+            self._busy = True
+            pending.then(self._woken)
+            return
         fut = pending if isinstance(pending, asyncio.Future) else asyncio.ensure_future(pending)
         self._busy, self._pending = True, fut
         fut.add_done_callback(self._resume)
+
+    def _woken(self) -> None:
+        self._busy = False
+        if not self._closed and not self._scheduled:
+            self._pump()
 
     def _resume(self, fut: asyncio.Future[Any]) -> None:
         self._busy, self._pending = False, None

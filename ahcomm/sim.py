@@ -32,6 +32,7 @@ from ._stream import Stream
 from .algorithms import REGISTRY, Algorithm, Call, CostModel, LinkCost, Topology
 from .algorithms._executor import Executor, Progress
 from .algorithms._selection import Selector
+from .transports._simloop import Delay
 from .transports.base import Link
 from .transports.sim import INTER, INTRA, LinkParams, SimInterLink, SimIntraLink, SimLink, SimNetwork, VirtualLoop
 
@@ -216,7 +217,7 @@ def _simulate_memory(stream: Stream, world: World, rank: int) -> None:
         return
     net, model = world.net, world.model
 
-    def memory(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> asyncio.Future[None] | None:
+    def memory(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Delay | None:
         first = args[0] if args else None
         nbytes = first.nbytes if isinstance(first, np.ndarray) else 0
         if net.check:
@@ -224,7 +225,7 @@ def _simulate_memory(stream: Stream, world: World, rank: int) -> None:
         span = nbytes * (model.gamma if isinstance(fn, np.ufunc) else model.copy)
         if span <= 0:
             return None
-        return net.loop.settle_at(net.cpu(rank, span))
+        return net.loop.delay(net.cpu(rank, span))
 
     stream.memory = memory  # type: ignore[method-assign]
     stream._sim = True  # type: ignore[attr-defined]
