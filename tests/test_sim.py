@@ -31,11 +31,14 @@ def test_check_every_algorithm(op: str, n: int, k: int) -> None:
 @pytest.mark.parametrize("algorithm,n,k,size", [("ring", 8, 8, 64 << 20), ("ring", 16, 4, 64 << 20),
                                                  ("rhd", 8, 8, 64 << 20), ("rhd", 16, 4, 64 << 20),
                                                  ("rhd", 32, 8, 64 << 20), ("ring", 64, 8, 8),
-                                                 ("ring", 64, 8, 1 << 20), ("ring", 64, 8, 64 << 20)])
+                                                 ("ring", 64, 8, 1 << 20), ("ring", 64, 8, 64 << 20),
+                                                 ("hier", 16, 8, 1 << 20), ("hier", 64, 8, 1 << 20),
+                                                 ("hier", 32, 8, 64 << 20), ("hier", 24, 4, 8 << 20)])
 def test_closed_form(algorithm: str, n: int, k: int, size: int) -> None:
-    """Without contention or compute, ring and RHD all_reduce take their alpha-beta time (5%),
-    from latency-bound (8 B) to bandwidth-bound (64 MiB) and up to 64 ranks on 8 servers
-    (benchmarks/results/2026-11-25-sim-scale.md has 1,024 ranks)."""
+    """Without contention or compute, ring, RHD and hier all_reduce take their alpha-beta time
+    (5%), from latency-bound (8 B) to bandwidth-bound (64 MiB) and up to 64 ranks on 8 servers;
+    hier with RHD at 1 MiB and its 4 segments pipelined over a level-1 ring at 8 and 64 MiB
+    (benchmarks/results/2026-11-25-sim-scale-2.md has 1,024 ranks)."""
     model = replace(reference_model(), gamma=0.0, copy=0.0)
     want = closed_form("all_reduce", algorithm, n, k, size, model)
     assert want is not None
