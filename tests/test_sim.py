@@ -219,3 +219,17 @@ def test_hier_channels_regions_for_its_senders_only() -> None:
     assert set(senders.index[0]) >= {1, 2, 3, 4, 5, 6, 7, 8 * 63, 8 * 32}  # level 0, ring prev, RHD
     r = simulate("all_reduce", 512, 8, 1 << 20, "hier")
     assert r.puts == 512 * (7 + 7 + 2 * 6), r.puts  # 64 servers: RHD's 6 halving + 6 doubling sends
+
+
+@pytest.mark.parametrize("n", [16, 64, 1024])
+def test_selector_picks_the_simulated_best_at_8_bytes(n: int) -> None:
+    """Small all_reduce across servers: hier (2 steps inside a server, RHD between) is the
+    simulated best from 16 to 4,096 ranks. The selector picked RHD, counting 8 G + 4 steps link
+    posts a rank for hier where hier posts 4 (G - 1) + 2 steps (ahcomm-sim counts them: 32 a
+    rank at 16 ranks, 56 at 1,024), twice what it counts for RHD's pieces."""
+    assert _pick(n, 8) == "hier"
+    if n <= 64:
+        times = {a: simulate("all_reduce", n, 8, 8, a).time_us for a in candidates("all_reduce", n, 8, 8)}
+        assert min(times, key=times.__getitem__) == "hier", times
+    r = simulate("all_reduce", 16, 8, 64 << 10, "hier")
+    assert r.posts == 16 * (4 * 7 + 2 * 2), r.posts
