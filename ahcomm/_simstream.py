@@ -13,10 +13,38 @@ that is not a future (a coroutine) is wrapped in a task. Every stream runs as so
 from __future__ import annotations
 
 import asyncio
+from types import MethodType
 from typing import Any
 
+from ._notify import Notify
 from ._stream import Stream, TaskFn, _discard
 from .transports._simloop import Delay
+
+_WAIT = Notify.wait_task
+
+
+class _Waiter:
+    """What a SimStream blocked on a notify leaves in its waiters (instead of a future): the
+    post that hands it the flag resumes the stream one ready-queue turn later, as a future's
+    done callback would, with no future, no callback list and no context."""
+
+    __slots__ = ("cancelled", "stream")
+
+    def __init__(self, stream: "SimStream") -> None:
+        self.stream, self.cancelled = stream, False
+
+    def done(self) -> bool:
+        return self.cancelled
+
+    def set_result(self, _: None) -> None:
+        self.cancelled = True  # done: a second post must not be handed to it
+        stream = self.stream
+        stream._loop._ready.append((stream._woken, (), None))
+
+    def set_exception(self, error: BaseException) -> None:
+        self.cancelled = True
+        stream = self.stream
+        stream._loop._ready.append((stream._woken_failed, (error,), None))
 
 
 class SimStream(Stream):
@@ -26,10 +54,29 @@ class SimStream(Stream):
         super().__init__(name)
         self._pending: asyncio.Future[Any] | None = None  # what the running task waits for
         self._scheduled = False  # a _pump is due (call_soon)
+        self._waiter: _Waiter | None = None  # what the running task waits for, if a notify
+        self._loop: Any = None  # the VirtualLoop (set on the first wait)
 
     def submit(self, fn: TaskFn) -> None:
         if self._queue or self._busy or self._error is not None or self._closed:
             self._push(fn, None)
+            return
+        self._run_task(fn)
+
+    def _run_task(self, fn: TaskFn) -> None:
+        """Run one task; leave the stream busy if it must wait."""
+        if type(fn) is MethodType and fn.__func__ is _WAIT:  # a notify wait: no future
+            notify: Notify = fn.__self__  # type: ignore[assignment]
+            if notify._error is not None:
+                self._failed(notify._error)
+            elif notify._value:
+                notify._value = 0
+            else:
+                if self._loop is None:
+                    self._loop = asyncio.get_running_loop()
+                self._busy = True
+                self._waiter = _Waiter(self)
+                notify._waiters.append(self._waiter)  # type: ignore[arg-type]
             return
         try:
             pending = fn()
@@ -57,9 +104,14 @@ class SimStream(Stream):
         fut.add_done_callback(self._resume)
 
     def _woken(self) -> None:
-        self._busy = False
+        self._busy, self._waiter = False, None
         if not self._closed and not self._scheduled:
             self._pump()
+
+    def _woken_failed(self, error: BaseException) -> None:
+        if not self._closed:
+            self._failed(error)
+        self._woken()
 
     def _resume(self, fut: asyncio.Future[Any]) -> None:
         self._busy, self._pending = False, None
@@ -91,13 +143,7 @@ class SimStream(Stream):
             if self._error is not None:
                 _discard(fn)
                 continue
-            try:
-                pending = fn()
-            except BaseException as exc:  # noqa: BLE001 - reported at synchronize()
-                self._failed(exc)
-                continue
-            if pending is not None:
-                self._await(pending)
+            self._run_task(fn)
 
     async def synchronize(self) -> None:
         if not self._queue and not self._busy:
@@ -111,6 +157,9 @@ class SimStream(Stream):
 
     async def close(self) -> None:
         self._closed = True
+        if self._waiter is not None:
+            self._waiter.cancelled = True  # a later post skips it (the flag is set instead)
+            self._waiter = None
         if self._pending is not None:
             self._pending.cancel()
             self._pending = None
