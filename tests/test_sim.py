@@ -47,9 +47,10 @@ def test_closed_form(algorithm: str, n: int, k: int, size: int) -> None:
 
 
 @pytest.mark.skipif(not os.environ.get("AHCOMM_SIM_SCALE"), reason="minutes of CPU: set AHCOMM_SIM_SCALE=1")
-@pytest.mark.parametrize("n,algorithm,size,limit", [(1024, "ring", 64 << 20, 300), (4096, "hier", 1 << 20, 300)])
+@pytest.mark.parametrize("n,algorithm,size,limit", [(1024, "ring", 64 << 20, 300), (4096, "hier", 1 << 20, 120)])
 def test_scale(n: int, algorithm: str, size: int, limit: float) -> None:
-    """Issue 15's scale points (wall limits with room for a loaded 2-core machine: see docs/sim.md)."""
+    """Issue 15's scale points (wall limits with room for a loaded 2-core machine: see docs/sim.md;
+    91 s of CPU for the ring, 22 s wall for hier, which took 364 s with 2 KiB Channels pieces)."""
     r = simulate("all_reduce", n, 8, size, algorithm)
     assert r.time_us > 0 and r.wall_s < limit, r
 
