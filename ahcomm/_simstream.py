@@ -4,10 +4,13 @@ The real stream runs its queue in an asyncio task (the executor's main stream in
 awaits ``synchronize()``): every task that must wait resumes a chain of coroutines, which is
 most of a simulated step's CPU time at 1,000 ranks. This one keeps the same contract (tasks
 run strictly in order, an idle stream runs a task inside ``submit``, a failure skips the work
-up to the next ``synchronize()``, which raises it) but waits on a task's future with
-``add_done_callback`` and runs the rest of its queue from that callback. A task's awaitable
-that is not a future (a coroutine) is wrapped in a task. Every stream runs as soon as it can
-(there is no inline stream): in virtual time that is the same instant as a ``synchronize()``.
+up to the next ``synchronize()``, which raises it) and runs the rest of its queue from a
+callback once the task that had to wait is done: a notify wait leaves a ``_Waiter`` (no
+future) in the notify's waiters, a simulated put or copy's ``Delay`` is one timer, any other
+awaitable gets ``add_done_callback`` (a coroutine is wrapped in a task first). Each resumes
+the stream one ready-queue turn after the event, as a future's done callback would, so events
+keep their order. Every stream runs as soon as it can (there is no inline stream): in virtual
+time that is the same instant as a ``synchronize()``.
 """
 
 from __future__ import annotations
