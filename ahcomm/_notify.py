@@ -47,8 +47,19 @@ class Notify:
         return False
 
     def wait_task(self) -> Awaitable[None] | None:
-        """``wait()`` as a stream task: None when the flag was set (consumed at once)."""
-        return None if self.try_wait() else self.wait()
+        """``wait()`` as a stream task: None when the flag was set (consumed at once), else a bare
+        future the next ``post`` completes (no coroutine: a stream awaits millions of these in
+        ``ahcomm-sim``). Unlike ``wait()``, a post that lands just as the awaiting task is
+        cancelled is consumed: streams are cancelled only when they close (their flags are
+        reset with the communicator)."""
+        if self._error is not None:
+            raise self._error
+        if self._value:
+            self._value = 0
+            return None
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiters.append(fut)
+        return fut
 
     async def wait(self) -> None:
         """Wait for the flag, then reset it to 0."""

@@ -13,7 +13,7 @@ from .._stream import Stream
 from ..transports.base import Signal
 from .base import ALIGN, Algorithm, Context, OpRun, Registry, aligned, pieces, split
 from .call import WHOLE, Call, Resources, Topology
-from .channels import Channels, Lane, channel_run
+from .channels import Channels, Lane, Senders, channel_run
 from .cost import CostModel, LinkCost, Work, call_bytes, engine_tasks, log2up, npieces
 from .direct import Direct
 from .dissemination import Dissemination
@@ -57,6 +57,6 @@ def names(op: str | None = None) -> list[str]:
 
 __all__ = [
     "ALIGN", "REGISTRY", "WHOLE", "Algorithm", "Call", "Channels", "Context", "CostModel", "Lane", "LinkCost",
-    "OpRun", "Registry", "Resources", "Signal", "Stream", "Topology", "Work", "aligned", "call_bytes",
+    "OpRun", "Registry", "Resources", "Senders", "Signal", "Stream", "Topology", "Work", "aligned", "call_bytes",
     "channel_run", "engine_tasks", "log2up", "names", "npieces", "pieces", "register", "split",
 ]

@@ -14,7 +14,7 @@ import numpy as np
 
 from .._stream import Stream
 from .base import Context, Topology, split
-from .channels import Lane
+from .channels import Lane, Senders
 from .cost import CostModel, LinkCost, Work, log2up
 from .rhd import Fold
 
@@ -132,6 +132,37 @@ def rhd_all_reduce(lane: Lane, members: list[int], q: int, w: np.ndarray) -> Non
         lane.recv(members[peer], w, bounds[theirs[0]], bounds[theirs[1]])
     if q < 2 * fold.r:
         lane.send(members[q - 1], w, 0, count)
+
+
+class _Sources:
+    """A stand-in ``Lane`` that records whom a level-1 schedule receives from."""
+
+    def __init__(self) -> None:
+        self.peers: set[int] = set()
+
+    def send(self, peer: int, arr: np.ndarray, lo: int, hi: int) -> None:
+        pass
+
+    def recv(self, peer: int, arr: np.ndarray, lo: int, hi: int, operand: np.ndarray | None = None) -> None:
+        self.peers.add(peer)
+
+
+@lru_cache(maxsize=8)
+def all_reduce_senders(hosts: tuple[str, ...]) -> Senders:
+    """Who sends to each rank in hier all_reduce: its server's other ranks (level 0) and, in the
+    level-1 group of each chunk it owns, the members ring or RHD receives from (both counted:
+    the choice goes by chunk size). Built once per job, the same on every rank."""
+    ranks, server = _servers(hosts)
+    senders: list[set[int]] = [set(ranks[server[r]]) - {r} for r in range(len(hosts))]
+    w = np.empty(len(ranks), np.uint8)
+    for c in range(max(len(rs) for rs in ranks)):
+        members = [rs[c % len(rs)] for rs in ranks]
+        for q, m in enumerate(members):
+            lane = _Sources()
+            ring_all_reduce(lane, members, q, w)  # type: ignore[arg-type]
+            rhd_all_reduce(lane, members, q, w)  # type: ignore[arg-type]
+            senders[m] |= lane.peers
+    return Senders(senders)
 
 
 def tree(v: int, n: int, chain: bool) -> tuple[int | None, list[int]]:

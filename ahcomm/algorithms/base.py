@@ -23,7 +23,7 @@ Protocol rules every algorithm keeps (the executor relies on them):
 from __future__ import annotations
 
 import math
-from collections.abc import Awaitable, Callable, Hashable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, ClassVar
@@ -85,6 +85,13 @@ class Context:
             if self._error is not None:
                 flag.fail(self._error)
         return flag
+
+    def forget(self, keys: Iterable[Hashable]) -> None:
+        """Drop local notifies whose one post and one wait are both done (a long pipeline keeps
+        O(window) of them rather than one per piece of the run: 2 (n - 1) per ring rank)."""
+        locals_ = self._locals
+        for key in keys:
+            locals_.pop(key, None)
 
     def fail(self, error: BaseException) -> None:
         """Wake every stream of this run that waits on a local notify (a stream failed, or abort)."""

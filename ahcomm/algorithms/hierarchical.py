@@ -42,7 +42,17 @@ from typing import ClassVar
 import numpy as np
 
 from .._errors import ConfigError
-from ._hier import Layout, Price, Streams, group_all_reduce, layout, rhd_all_reduce, ring_all_reduce, tree
+from ._hier import (
+    Layout,
+    Price,
+    Streams,
+    all_reduce_senders,
+    group_all_reduce,
+    layout,
+    rhd_all_reduce,
+    ring_all_reduce,
+    tree,
+)
 from .base import Algorithm, Call, Context, Resources, Topology, split
 from .channels import PIECE_BYTES, Channels, Lane
 from .cost import CostModel, Work, log2up, npieces
@@ -116,9 +126,13 @@ class Hierarchical(Algorithm):
         if call.op == "all_reduce":
             parts = segments(lay, int(whole))
             steps, moved = group_all_reduce(S, self.ring(chunk / parts))
-            w0 = Work(rounds=2 * inner, link=2 * spread, reduced=spread, copied=o * chunk, tasks=8 * G * pieces)
+            # link posts of a rank (as RHD and ring count them): a DataSignal per piece sent, an Ack
+            # per piece received; level 0 sends and receives G - 1 chunks in each half, level 1 one
+            # piece each way per step (ahcomm-sim counts the same: 32 posts a rank at 16 ranks)
+            w0 = Work(rounds=2 * inner, link=2 * spread, reduced=spread, copied=o * chunk,
+                      tasks=4 * (G - 1) * pieces)
             w1 = Work(rounds=o * steps, link=o * moved * chunk, reduced=o * moved * chunk / 2,
-                      tasks=4 * o * steps * pieces)
+                      tasks=2 * o * steps * pieces)
             return price.segmented(w0, w1, parts)
         if call.op == "reduce":
             w0 = Work(rounds=2 * inner, link=spread + whole, reduced=spread, tasks=8 * G * pieces)
@@ -142,7 +156,9 @@ class Hierarchical(Algorithm):
 
     # -- orchestration --------------------------------------------------------------------------
     async def _run(self, ctx: Context) -> None:
-        lay, ch = layout(ctx.topo), Channels(ctx)
+        lay = layout(ctx.topo)
+        # all_reduce's ranks hear from their server and a few level-1 peers: CCL_In regions for those only
+        ch = Channels(ctx, senders=all_reduce_senders(ctx.topo.hosts) if ctx.call.op == "all_reduce" else None)
         st = Streams.of(ctx, lay)
         self._plans[ctx.call.op](self, ctx, lay, ch, st)
         ch.finish()

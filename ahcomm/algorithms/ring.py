@@ -93,11 +93,15 @@ async def ring_pass(ctx: Context, sends: Iterable[Send], recvs: Iterable[Recv]) 
 
     feed()
     k = 0  # pieces sent (enqueued)
+    waited: list[Hashable] = []  # the last window's local keys: posted and waited once each
     for window in _windows(sends):
         if k:
             await tx.synchronize()  # run the last window's sends (the main stream runs when synchronized)
+            ctx.forget(waited)  # done with: a rank keeps O(WINDOW) local notifies, not 2 (n - 1)
+            waited = []
         for src, dep in window:
             if dep is not None:
+                waited.append(dep)
                 tx.wait(ctx.local(dep))
             if k >= SLOTS:
                 ctx.wait(tx, nxt, Signal.ACK, k % SLOTS)

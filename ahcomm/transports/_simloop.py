@@ -45,6 +45,25 @@ def _settle(fut: asyncio.Future[None]) -> None:
         fut.set_result(None)
 
 
+class Delay:
+    """Virtual time until ``when``: what a simulated put or copy returns. ``SimStream`` waits for
+    it with one timer (no future, no done callback); anything else awaits it as a future."""
+
+    __slots__ = ("loop", "when")
+
+    def __init__(self, loop: "VirtualLoop", when: float) -> None:
+        self.loop, self.when = loop, when
+
+    def __await__(self) -> Generator[Any, None, None]:
+        return self.loop.settle_at(self.when).__await__()
+
+    def then(self, callback: Callback) -> None:
+        """Run ``callback()`` once the time has come, one ready-queue turn later (as a future's
+        done callback would: the same order of events)."""
+        loop = self.loop
+        heapq.heappush(loop._heap, (self.when, next(loop._seq), loop._ready.append, ((callback, (), None),), None))
+
+
 class VirtualLoop(asyncio.AbstractEventLoop):
     """An event loop whose ``time()`` is ``now``, which jumps to the next timer."""
 
@@ -118,6 +137,10 @@ class VirtualLoop(asyncio.AbstractEventLoop):
     def at(self, when: float, callback: Callback, *args: Any) -> None:
         """Run ``callback(*args)`` at virtual time ``when`` (no handle, no context)."""
         heapq.heappush(self._heap, (when, next(self._seq), callback, args, None))
+
+    def delay(self, when: float) -> Delay:
+        """``settle_at`` for a ``SimStream`` task: no future unless something else awaits it."""
+        return Delay(self, when)
 
     def settle_at(self, when: float) -> asyncio.Future[None]:
         """A future that completes at virtual time ``when``."""

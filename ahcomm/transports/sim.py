@@ -22,10 +22,10 @@ from typing import Any
 
 import numpy as np
 
-from ._simloop import SimDeadlock, VirtualLoop
+from ._simloop import Delay, SimDeadlock, VirtualLoop
 from .base import MAX_CONTROL, Link, MemoryRunner, MessageKey, as_bytes
 
-__all__ = ["INTER", "INTRA", "LinkParams", "SimDeadlock", "SimLink", "SimNetwork", "VirtualLoop"]
+__all__ = ["INTER", "INTRA", "Delay", "LinkParams", "SimDeadlock", "SimLink", "SimNetwork", "VirtualLoop"]
 
 INTRA, INTER = "sdma", "rdma"  # the link kinds the algorithms see: inside a server, between servers
 
@@ -127,7 +127,7 @@ class SimLink(Link):
             end = max(end, net.cpu(self.rank, nbytes * self.beta))
         if end <= net.loop.now:
             return None
-        return net.loop.settle_at(end)
+        return net.loop.delay(end)
 
     def send_control(self, payload: bytes) -> None:
         if len(payload) > MAX_CONTROL:
