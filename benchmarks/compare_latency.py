@@ -32,7 +32,7 @@ from typing import Any
 from compare import PEERS, ROOT, fmt_size, run_json
 
 sys.path.insert(0, str(PEERS))
-from _latency import CASES, cases  # noqa: E402
+from _latency import CASES, cases
 
 TOOLS = ("ahcomm", "ahcomm-spin0", "gloo", "mpi")
 # issue 11's targets: (op, bytes, np) -> (p50 below this many us, or None; at least this many times faster

@@ -39,7 +39,7 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--ranks", type=int, default=4)
     args = parser.parse_args()
-    print(f"| transport | detect (median, min-max) | shrink + first all_reduce | total: death -> first all_reduce |")
+    print("| transport | detect (median, min-max) | shrink + first all_reduce | total: death -> first all_reduce |")
     print("|---|---|---|---|")
     for transport in ("sdma", "rdma"):
         rows = [one(transport, args.ranks) for _ in range(args.runs)]

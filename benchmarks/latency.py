@@ -25,8 +25,8 @@ import numpy as np
 import ahcomm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "peers"))
-import _common as C  # noqa: E402
-import _latency as L  # noqa: E402
+import _common as C
+import _latency as L
 
 CASES = ("barrier:0,all_reduce:8,all_reduce:32K,broadcast:8,broadcast:32K,all_gather:8,all_gather:32K")
 
