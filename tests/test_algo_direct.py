@@ -100,7 +100,7 @@ async def test_matrix_inproc(size: int, rng: np.random.Generator) -> None:
 
 @pytest.mark.parametrize("size", [2, 3])
 async def test_matrix_over_sdma_links_in_process(size: int, rng: np.random.Generator) -> None:
-    """Real sdma links: the reads are process_vm_readv (of this process), some threaded (>= 1 MiB)."""
+    """Real sdma links: the reads are process_vm_readv (of this process), inline (below ``INLINE_BYTES``)."""
     await check_matrix(size, rng, counts=[0, 1, 37, 300_001], transport="sdma")
 
 
