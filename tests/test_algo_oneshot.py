@@ -198,7 +198,7 @@ async def test_selected_for_small_calls_on_one_host(monkeypatch: pytest.MonkeyPa
         for op in ("all_reduce", "broadcast", "all_gather"):
             assert comm.explain(op, 2, np.float32)[0] == "oneshot"
             assert comm.explain(op, 8192, np.float32)[0] == "oneshot"  # 32 KiB
-            assert comm.explain(op, 1 << 24, np.float32)[0] != "oneshot"  # 64 MiB: a slice per 256 KiB
+            assert comm.explain(op, 1 << 24, np.float32)[0] != "oneshot"  # 64 MiB: a slice per slot (1 MiB)
         assert comm.explain("reduce_scatter", 2, np.float32)[0] == "oneshot"
     finally:
         await asyncio.gather(*(c.close() for c in comms))

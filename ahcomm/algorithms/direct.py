@@ -11,7 +11,8 @@ A run is two mailbox publications (``transports.mailbox``, as ``oneshot`` uses t
    header), and waits until every peer's publication is there (the fingerprints checked);
 2. each receiver reads what it needs - the root's vector, or every peer's block - in
    slices of ``SLICE_BYTES``, on up to two threads where the host's cores allow (ctypes
-   releases the GIL), small reads inline on the event loop's thread;
+   releases the GIL); a rank's reads below ``INLINE_BYTES`` (16 MiB) inline on the event
+   loop's thread, in one piece each;
 3. every rank publishes "done" and waits for every peer's: no rank returns, and so reuses
    or frees the buffer its peers read, before every reader has finished.
 
@@ -45,13 +46,22 @@ OPS = frozenset({"broadcast", "all_gather"})
 # np=2, load 1-2: slices of 4 MiB 11.5-12.0 GB/s, of 32 MiB 13.6-13.9 (mesh's two halves 13.1-14.0).
 SLICE_BYTES = 32 << 20
 MIN_SLICE = 512 << 10  # a read is not cut below this to feed a second thread
-INLINE_BYTES = 1 << 20  # a rank's reads below this run inline (a thread hand-off costs more)
-# Per-rank bytes below which the selector leaves an op to the others: a 2 MiB all_gather (blocks of
-# 1 MiB at np=2, 512 KiB at np=4) ran faster through oneshot's cached slots in every one of 3 runs
-# of 3-5 interleaved rounds (np=2 4.3 vs 2.0-3.0 GB/s, np=4 0.9-1.0 vs 0.55-0.66). Broadcast alike
-# (quiet host, 2 runs of 200 calls, us): oneshot 2 MiB 321-335 vs direct 685-853 at np=2, 871-879
-# vs 1590-2066 at np=4; 4 MiB 698-786 vs 1094-1277 (np=2); 8 MiB about even, 16 MiB direct ahead.
-MIN_BYTES = {"all_gather": 4 << 20, "broadcast": 4 << 20}
+# A rank's reads (and local copy) below this run inline on the event loop's thread: every hand-off
+# to a copy thread and back is a wake-up on each side, and two threads reading one source contend.
+# Measured (np=2, blocks of calls interleaved in one job, load 1.5-2.4, us per call): broadcast
+# 2 MiB inline 410-533 vs two threads 660-1294 (one thread 935), 4 MiB 567 vs 968 (one: 526),
+# 8 MiB 1050 vs 1262; 16 MiB threads ahead (1241 vs 1404), 64 MiB too (5479 vs 6699); all_gather
+# 2 MiB 162 vs 511, np=4 1591 vs 2989 (results/2026-11-25-bw2.md).
+INLINE_BYTES = 16 << 20
+# Per-rank bytes up to which the selector leaves an op to the others (oneshot's slots): a 2 MiB
+# copy through the kernel (4 KiB pages) takes 160-210 us, two in-cache copies through 1 MiB slots
+# far less. Measured (np=2, blocks interleaved in one job, load 2.5, us/call, oneshot / direct /
+# mesh): broadcast 2 MiB 124 / 353 / 376, 4 MiB 182 / 389 / 622 (the model prices oneshot's
+# copies as out-of-cache and picks direct there, still ahead of mesh), 8 MiB 414-1473 / 630-940 /
+# 1157; all_gather (in all) 2 MiB 180 / 188, 4 MiB 541 / 402, 8 MiB 1256 / 752; np=4 (load 3.3)
+# broadcast 2 MiB 736 / 916, 4 MiB 1465 / 1348, 8 MiB 2169 / 1655; all_gather 2 MiB 670 / 939,
+# 4 MiB 1204 / 1325, 8 MiB 2517 / 2614 (results/2026-11-25-bw2.md).
+MIN_BYTES = {"all_gather": 1 << 20, "broadcast": 2 << 20}
 THREADS = 2  # copy threads per rank at most (AHCOMM_DIRECT_THREADS), used where cores allow
 
 _FALLBACK = OneShot()

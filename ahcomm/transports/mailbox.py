@@ -48,7 +48,12 @@ import numpy as np
 
 HEADER = 64  # bytes of a slot's header (a cache line): int64 flag and seq, uint32 fingerprint and size
 SLOTS = 2  # one slot per sequence-number parity
-DEFAULT_CAPACITY = 256 * 1024  # payload bytes of a slot (AHCOMM_MAILBOX_BYTES; 0 turns mailboxes off)
+# Payload bytes of a slot (AHCOMM_MAILBOX_BYTES; 0 turns mailboxes off). A call larger than a slot
+# runs in slot-sized slices, each a publish-and-wait step: at 2 MiB the steps, not the copies (in
+# cache), were the time. Measured with 1 MiB against 256 KiB slots (np=2, 3 interleaved rounds,
+# load 1.5-3, us at 2 MiB): broadcast 96-524 vs 838-1215, all_reduce 340-970 vs 515-1916,
+# all_gather 400-629 vs 333-876, reduce_scatter 612-873 vs 1097-2090 (results/2026-11-25-bw2.md).
+DEFAULT_CAPACITY = 1 << 20
 SPIN_US = 30.0  # microseconds a waiter may poll before it sleeps (AHCOMM_SPIN_US; only ranks <= cores)
 YIELD_US = 200.0  # the same, yielding its core between looks (AHCOMM_YIELD_US; only cores < ranks <= 2 cores)
 Waker = Callable[[], None]
