@@ -264,3 +264,20 @@ async def test_non_contiguous_inputs_and_outputs_are_staged(rng: np.random.Gener
     for gathered, bcast in await run_inproc(3, body, transport="sdma"):
         np.testing.assert_array_equal(gathered.reshape(-1), np.concatenate([x[:, 1] for x in xs]))
         np.testing.assert_array_equal(bcast, xs[2][:, 0])
+
+
+async def test_a_broadcast_root_does_not_spin_through_the_readers_copies(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The root's last wait lasts the peers' whole read: it sleeps at once, so its adaptive spin
+    does not count a miss (eight in a row turned spinning off for the next 256 short waits)."""
+    seen: list[tuple[int, bool]] = []
+    real = direct._arrivals
+
+    async def arrivals(ctx: Any, tick: int, *args: Any, may_spin: bool = True, **kwargs: Any) -> None:
+        seen.append((ctx.rank, may_spin))
+        await real(ctx, tick, *args, may_spin=may_spin, **kwargs)
+
+    monkeypatch.setattr(direct, "_arrivals", arrivals)
+    x = np.arange(1 << 20, dtype=np.float32)  # 4 MiB
+    await run_inproc(3, lambda c: c.broadcast(x if c.rank == 1 else np.empty_like(x), 1, algorithm="direct"))
+    assert sorted(seen) == [(0, True), (0, True), (1, False), (1, True), (2, True), (2, True)]
+

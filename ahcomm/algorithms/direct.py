@@ -175,7 +175,8 @@ class Direct(Algorithm):
             local = None  # in place
         await _read_all(jobs, local, threads(call, ctx.topo))
         tick, _ = box.publish(call.seq, ctx.fingerprint)  # done reading: the owners may go on (nothing loose)
-        await _arrivals(ctx, tick)
+        # A broadcast's root waits here for the whole read: sleeping at once keeps its spin for short waits
+        await _arrivals(ctx, tick, may_spin=call.op != "broadcast" or r != root)
 
 
 async def _read_all(jobs: list[tuple[DataLink, np.ndarray, int]], local: tuple[np.ndarray, np.ndarray] | None,

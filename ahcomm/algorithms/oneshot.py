@@ -156,15 +156,17 @@ async def settle(ctx: Context) -> None:
 
 
 async def _arrivals(ctx: Context, tick: int, peers: tuple[int, ...] | None = None,
-                    call: tuple[int, int] | None = None) -> None:
+                    call: tuple[int, int] | None = None, may_spin: bool = True) -> None:
     """Until every peer (or those of ``peers``) has made publication ``tick``; each one's call is
-    checked on the way against this run's (or ``call``: the seq and fingerprint of ``tick``'s)."""
+    checked on the way against this run's (or ``call``: the seq and fingerprint of ``tick``'s).
+    ``may_spin=False``: a wait known to be long sleeps at once (and does not count as a miss of the
+    adaptive spin, which would turn spinning off for the short waits after it)."""
     box = ctx.mailbox
     assert box is not None
     seq, fp = call if call is not None else (ctx.call.seq, ctx.fingerprint)
     pending = [p for p in range(ctx.size) if p != ctx.rank] if peers is None else list(peers)
     flag = None
-    spin = box.spin.allowed()
+    spin = box.spin.allowed() if may_spin else 0.0
     yields = spin and box.spin.yields
     deadline = 0.0
     net: asyncio.TimerHandle | None = None
