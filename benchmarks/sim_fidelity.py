@@ -60,8 +60,9 @@ def main() -> None:
         print(f"Model: {model.source}; sdma alpha {model.links['sdma'].alpha * 1e6:.1f} us, "
               f"{1 / model.links['sdma'].beta / 1e9:.2f} GB/s; copy {1 / model.copy / 1e9:.2f} GB/s, "
               f"reduce {1 / model.gamma / 1e9:.2f} GB/s\n")
-        print("| op | ranks | bytes | measured us (median) | predicted us | predicted/measured | load |")
-        print("|---|---|---|---|---|---|---|")
+        print("| op | ranks | bytes | measured us (median) | predicted us | predicted/measured | with --cpu us "
+              "| predicted/measured | load |")
+        print("|---|---|---|---|---|---|---|---|---|")
         rows = []
         for n in args.ranks:
             for op in OPS:
