@@ -20,7 +20,7 @@ from types import MethodType
 from typing import Any
 
 from ._notify import Notify
-from ._stream import Stream, TaskFn, _discard
+from ._stream import Stream, TaskFn, _discard, _reached
 from .transports._simloop import Delay
 
 _WAIT = Notify.wait_task
@@ -136,27 +136,13 @@ class SimStream(Stream):
         while queue and not self._busy and not self._closed:
             fn, marker = queue.popleft()
             if marker is not None:
-                if not marker.done():
-                    if self._error is not None:
-                        marker.set_exception(self._error)
-                    else:
-                        marker.set_result(None)
+                _reached(marker, self._error)
                 self._error = None
                 continue
             if self._error is not None:
                 _discard(fn)
                 continue
             self._run_task(fn)
-
-    async def synchronize(self) -> None:
-        if not self._queue and not self._busy:
-            error, self._error = self._error, None
-            if error is not None:
-                raise error
-            return
-        marker: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._push(lambda: None, marker)
-        await marker
 
     async def close(self) -> None:
         self._closed = True

@@ -54,6 +54,16 @@ class _Started:
         return self.awaitable
 
 
+def _reached(marker: "asyncio.Future[None]", error: BaseException | None) -> None:
+    """A ``synchronize()`` marker reached the head of the queue: it gets the stream's error
+    since the last one, or None."""
+    if not marker.done():
+        if error is not None:
+            marker.set_exception(error)
+        else:
+            marker.set_result(None)
+
+
 def _discard(fn: TaskFn) -> None:
     """A dropped task: close the coroutine it already made (no 'never awaited' warning)."""
     if isinstance(fn, _Started):
@@ -172,11 +182,7 @@ class Stream:
                 self._wakeup = None
             fn, marker = queue.popleft()
             if marker is not None:
-                if not marker.done():
-                    if self._error is not None:
-                        marker.set_exception(self._error)
-                    else:
-                        marker.set_result(None)
+                _reached(marker, self._error)
                 self._error = None
                 continue
             if self._error is not None:
