@@ -26,19 +26,13 @@ from ahcomm.transports import inproc
 
 from jobs import run_job
 from support.failing import abort_fails_the_waiters
-from support.inproc import busy_flags, run_inproc
+from support.inproc import busy_flags, issue_each, mailbox_of, run_inproc
+from support.numerics import exact_values as values
 
 HERE = Path(__file__).parent
 SIZES = [1, 2, 3, 4, 5, 6, 7, 8, 9]
 DTYPES = [np.float32, np.float64, np.int32, np.int8, np.float16, np.bool_, np.uint64, ml_dtypes.bfloat16]
 COUNTS = [0, 1, 37, 1001]
-
-
-def values(rng: np.random.Generator, count: int, dtype: Any) -> np.ndarray:
-    if np.dtype(dtype) == np.bool_:
-        return rng.integers(0, 2, count).astype(bool)
-    return rng.integers(-8, 9, count).astype(dtype) if np.dtype(dtype).kind != "u" else \
-        rng.integers(0, 9, count).astype(dtype)
 
 
 def cases(rng: np.random.Generator, size: int, counts: list[int]) -> list[tuple[Any, ...]]:
@@ -64,16 +58,13 @@ async def check_matrix(size: int, rng: np.random.Generator, counts: list[int] = 
                        single_copy: bool = True) -> None:
     todo = cases(rng, size, counts)
 
+    def after(comm: ahcomm.Comm) -> None:
+        assert not busy_flags(comm)
+        box = mailbox_of(comm)  # direct's runs hear from every peer, its staged broadcast too
+        assert box is None or box.loose is None
+
     async def body(comm: ahcomm.Comm) -> tuple[list[Any], dict[str, int]]:
-        out = []
-        for case in todo:
-            before = case[1][comm.rank].copy()
-            out.append(await issue(comm, case))
-            if not case[3]:
-                assert np.array_equal(case[1][comm.rank], before)  # inputs are never modified
-            assert not busy_flags(comm)
-            box = comm._executor.mailbox  # direct's runs hear from every peer, its staged broadcast too
-            assert box is None or box.loose is None
+        out = await issue_each(comm, todo, issue, in_place=lambda case: case[3], after=after)
         return out, comm.stats()["paths"]
 
     if single_copy:

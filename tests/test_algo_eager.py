@@ -25,8 +25,9 @@ from ahcomm.transports.base import EAGER_AHEAD, EAGER_BYTES
 
 from jobs import run_job
 from support.failing import abort_fails_the_waiters, mismatch_fails_every_rank
-from support.inproc import links_of, run_inproc
-from support.numerics import assert_close, reduce_ref
+from support.inproc import issue_each, links_of, run_inproc
+from support.numerics import assert_close, redops, reduce_ref
+from support.numerics import exact_values as values
 
 SIZES = [1, 2, 3, 4, 5, 6, 7, 8, 9]
 HERE = Path(__file__).parent
@@ -38,20 +39,6 @@ COUNTS = [0, 1, 37, 1001]
 def _no_mailboxes(monkeypatch: pytest.MonkeyPatch) -> None:
     """As between hosts: no mailboxes, so small calls are eager's."""
     monkeypatch.setenv("AHCOMM_MAILBOX_BYTES", "0")
-
-
-def values(rng: np.random.Generator, count: int, dtype: Any, op: str = "sum") -> np.ndarray:
-    dt = np.dtype(dtype)
-    if dt == np.bool_:
-        return rng.integers(0, 2, count).astype(bool)
-    lo, hi = (1, 3) if op == "prod" else ((-8, 9) if dt.kind in "fV" or dt == ml_dtypes.bfloat16 else
-                                          (0 if dt.kind == "u" else -3, 4))
-    return rng.integers(lo, hi, count).astype(dt)  # exact in every dtype, any reduction order
-
-
-def redops(dtype: Any) -> list[str]:
-    floating = np.dtype(dtype).kind == "f" or np.dtype(dtype) == ml_dtypes.bfloat16
-    return ["sum", "prod", "max", "min"] + (["avg"] if floating else [])
 
 
 def cases(rng: np.random.Generator, size: int) -> list[tuple[Any, ...]]:
@@ -123,16 +110,8 @@ def want(case: tuple[Any, ...], rank: int, size: int) -> Any:
 async def run_matrix(size: int, rng: np.random.Generator, transport: str = "inproc") -> None:
     todo = cases(rng, size)
 
-    async def body(comm: ahcomm.Comm) -> list[Any]:
-        out = []
-        for case in todo:
-            before = case[1][comm.rank].copy()
-            out.append(await issue(comm, case))
-            if not case[4]:
-                assert np.array_equal(case[1][comm.rank], before)  # inputs are never modified
-        return out
-
-    results = await run_inproc(size, body, transport=transport)
+    results = await run_inproc(size, lambda comm: issue_each(comm, todo, issue, in_place=lambda case: case[4]),
+                               transport=transport)
     for k, case in enumerate(todo):
         for rank in range(size):
             expected = want(case, rank, size)

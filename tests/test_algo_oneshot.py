@@ -20,26 +20,13 @@ import ahcomm
 from ahcomm.transports import mailbox
 
 from support.failing import abort_fails_the_waiters, mismatch_fails_every_rank
-from support.inproc import run_inproc
-from support.numerics import assert_close, reduce_ref
+from support.inproc import issue_each, run_inproc
+from support.numerics import assert_close, redops, reduce_ref
+from support.numerics import exact_values as values
 
 SIZES = [1, 2, 3, 4, 5, 6, 7, 8, 9]
 DTYPES = [np.float32, np.float64, np.int32, np.int8, np.float16, np.bool_, np.uint64, ml_dtypes.bfloat16]
 COUNTS = [0, 1, 37, 1001]
-
-
-def values(rng: np.random.Generator, count: int, dtype: Any, op: str = "sum") -> np.ndarray:
-    dt = np.dtype(dtype)
-    if dt == np.bool_:
-        return rng.integers(0, 2, count).astype(bool)
-    lo, hi = (1, 3) if op == "prod" else ((-8, 9) if dt.kind in "fV" or dt == ml_dtypes.bfloat16 else
-                                          (0 if dt.kind == "u" else -3, 4))
-    return rng.integers(lo, hi, count).astype(dt)  # exact in every dtype, any reduction order
-
-
-def redops(dtype: Any) -> list[str]:
-    floating = np.dtype(dtype).kind == "f" or np.dtype(dtype) == ml_dtypes.bfloat16
-    return ["sum", "prod", "max", "min"] + (["avg"] if floating else [])
 
 
 def cases(rng: np.random.Generator, size: int) -> list[tuple[Any, ...]]:
@@ -91,16 +78,7 @@ def want(case: tuple[Any, ...], rank: int, size: int) -> Any:
 async def test_matrix(size: int, rng: np.random.Generator) -> None:
     todo = cases(rng, size)
 
-    async def body(comm: ahcomm.Comm) -> list[Any]:
-        out = []
-        for case in todo:
-            before = case[1][comm.rank].copy()
-            out.append(await issue(comm, case))
-            if not case[4]:
-                assert np.array_equal(case[1][comm.rank], before)  # inputs are never modified
-        return out
-
-    results = await run_inproc(size, body)
+    results = await run_inproc(size, lambda comm: issue_each(comm, todo, issue, in_place=lambda case: case[4]))
     for k, case in enumerate(todo):
         for rank in range(size):
             expected = want(case, rank, size)

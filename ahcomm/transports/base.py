@@ -322,13 +322,18 @@ class Link(ABC):
 
     def message(self, key: MessageKey) -> "asyncio.Future[Message]":
         """The message with ``key`` from the peer (already arrived, or a future for it)."""
-        fut = self._mail.pop(key, None)
+        return self._claim(self._mail, key)
+
+    def _claim(self, table: "dict[Any, asyncio.Future[Any]]", key: Any) -> "asyncio.Future[Any]":
+        """The entry of ``table`` (messages by key) that arrived, or a future left there for it
+        (failed at once if the link is)."""
+        fut = table.pop(key, None)
         if fut is None:
             fut = asyncio.get_running_loop().create_future()
             if self._error is not None:
                 fut.set_exception(self._error)
             else:
-                self._mail[key] = fut
+                table[key] = fut
         return fut
 
     def deliver_message(self, key: MessageKey, meta: bytes, data: Any) -> None:
@@ -349,14 +354,7 @@ class Link(ABC):
 
     def eager(self, seq: int) -> "asyncio.Future[Any]":
         """The peer's eager message of call ``seq`` (a bytes-like payload): arrived, or a future for it."""
-        fut = self._eager.pop(seq, None)
-        if fut is None:
-            fut = asyncio.get_running_loop().create_future()
-            if self._error is not None:
-                fut.set_exception(self._error)
-            else:
-                self._eager[seq] = fut
-        return fut
+        return self._claim(self._eager, seq)
 
     def deliver_eager(self, seq: int, fingerprint: int, data: Any) -> None:
         """Called by the transport when the peer's eager message of call ``seq`` arrived; its
