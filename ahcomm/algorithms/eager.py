@@ -54,7 +54,6 @@ def message_bytes(call: Call) -> int:
 class Eager(Algorithm):
     name = "eager"
     ops = OPS
-    exchanges = True  # for the ops in EXCHANGED: see ``exchanged``
 
     def select(self, call: Call, topo: Topology) -> bool:
         if call.op not in OPS or (topo.size > 1 and topo.eager <= 0):
@@ -65,6 +64,7 @@ class Eager(Algorithm):
         return message_bytes(call) <= topo.eager or topo.size == 1
 
     def exchanged(self, call: Call) -> bool:
+        """Every rank hears from every peer in the ops of ``EXCHANGED`` (not in the rooted ones)."""
         return call.op in EXCHANGED
 
     def work(self, call: Call, topo: Topology, model: CostModel, whole: float, block: float) -> Work:

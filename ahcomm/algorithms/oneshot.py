@@ -15,9 +15,11 @@ A waiter whose peers are not all there polls the flags for a while (``Spin``: bu
 rank of the host has a core, yielding its core between looks where they share cores two to
 one), then marks itself asleep and waits for a wake-up.
 
-Every rank hears from every peer in every run (``exchanges``), so finishing a call proves
-every peer started it, as for the executor's all-dependent ops. Every peer's fingerprint is
-checked against this call's (a mismatch fails the communicator, naming both calls). A peer
+Every rank hears from every peer in every run (``exchanged``), so finishing a call proves
+every peer started it, as for the executor's all-dependent ops - but a broadcast's non-roots,
+which wait for the root only; their next publication waits for the others (``publish``). Every
+fingerprint a rank sees is checked against the call's (a mismatch fails the communicator,
+naming both calls). A peer
 lost or an abort fails the run's wake-up notify, so a waiting rank raises at once.
 """
 
@@ -51,7 +53,6 @@ def published_bytes(call: Call, size: int) -> int:
 class OneShot(Algorithm):
     name = "oneshot"
     ops = OPS
-    exchanges = True  # but for broadcast: see ``exchanged``
     uses_ccl = False  # mailboxes only: their own rule (``publish``) guards the slots
 
     def exchanged(self, call: Call) -> bool:
