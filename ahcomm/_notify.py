@@ -52,10 +52,7 @@ class Notify:
         ``ahcomm-sim``). Unlike ``wait()``, a post that lands just as the awaiting task is
         cancelled is consumed: streams are cancelled only when they close (their flags are
         reset with the communicator)."""
-        if self._error is not None:
-            raise self._error
-        if self._value:
-            self._value = 0
+        if self.try_wait():
             return None
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._waiters.append(fut)

@@ -261,13 +261,13 @@ async def test_a_broadcast_root_does_not_spin_through_the_readers_copies(monkeyp
     """The root's last wait lasts the peers' whole read: it sleeps at once, so its adaptive spin
     does not count a miss (eight in a row turned spinning off for the next 256 short waits)."""
     seen: list[tuple[int, bool]] = []
-    real = direct._arrivals
+    real = direct.sync.arrivals
 
     async def arrivals(ctx: Any, tick: int, *args: Any, may_spin: bool = True, **kwargs: Any) -> None:
         seen.append((ctx.rank, may_spin))
         await real(ctx, tick, *args, may_spin=may_spin, **kwargs)
 
-    monkeypatch.setattr(direct, "_arrivals", arrivals)
+    monkeypatch.setattr(direct.sync, "arrivals", arrivals)
     x = np.arange(1 << 20, dtype=np.float32)  # 4 MiB
     await run_inproc(3, lambda c: c.broadcast(x if c.rank == 1 else np.empty_like(x), 1, algorithm="direct"))
     assert sorted(seen) == [(0, True), (0, True), (1, False), (1, True), (2, True), (2, True)]

@@ -265,8 +265,8 @@ def test_yielding_spin_only_where_ranks_share_cores_two_to_one(monkeypatch: pyte
 
 
 async def test_a_lost_wake_up_costs_a_recheck_not_a_hang() -> None:
-    """Every wake-up dropped: a sleeping rank still finds its peers' flags (oneshot.RECHECK)."""
-    from ahcomm.algorithms import oneshot
+    """Every wake-up dropped: a sleeping rank still finds its peers' flags (RECHECK)."""
+    from ahcomm.algorithms._mailbox_sync import RECHECK
 
     comms = await ahcomm.init_inprocess(3)
     try:
@@ -279,7 +279,7 @@ async def test_a_lost_wake_up_costs_a_recheck_not_a_hang() -> None:
             await asyncio.sleep(0.02 * comm.rank)  # rank 0 sleeps in its mailbox first
             return await comm.all_reduce(np.full(3, comm.rank + 1, np.int32), algorithm="oneshot")
 
-        results = await asyncio.wait_for(asyncio.gather(*(late(c) for c in comms)), 10 * oneshot.RECHECK + 5)
+        results = await asyncio.wait_for(asyncio.gather(*(late(c) for c in comms)), 10 * RECHECK + 5)
         for got in results:
             np.testing.assert_array_equal(got, [6, 6, 6])
         assert sum(box.rechecks for box in boxes if box is not None) >= 1

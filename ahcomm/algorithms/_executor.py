@@ -179,7 +179,7 @@ class Executor:
                 np.copyto(dst, src)
             self._report(call, communicated=False)
             return
-        if algorithm.uses_ccl:
+        if algorithm.waits_progress:
             if self._owed:  # tell the peers now what the last runs did not show them (``_report``)
                 self._owed = False
                 for link in self.links.values():
@@ -209,12 +209,13 @@ class Executor:
                 self._ctx = None
         for link in self._unmapped:
             await link.flush()
-        self._report(call, communicated=True, exchanged=algorithm.exchanged(call), lazy=not algorithm.uses_ccl)
+        self._report(call, communicated=True, exchanged=algorithm.exchanged(call),
+                     lazy=not algorithm.waits_progress)
 
     def _report(self, call: Call, communicated: bool, exchanged: bool = False, lazy: bool = False) -> None:
         """What the peers learn of this rank's progress: nothing where every peer heard from it in
-        the run; else a progress message to each, or (``lazy``: a run that left the CCL buffers
-        alone) one at the start of the next run that waits for its peers' progress."""
+        the run; else a progress message to each, or (``lazy``: an algorithm that does not wait
+        for progress) one at the start of the next run that waits for its peers' progress."""
         if communicated and (exchanged or call.op in ALL_DEPENDENT):
             self.progress.all_started(call.seq)
         elif lazy:

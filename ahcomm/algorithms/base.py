@@ -188,9 +188,11 @@ class Algorithm:
     name: ClassVar[str]
     ops: ClassVar[frozenset[str]] = frozenset()
     exchanges: ClassVar[bool] = False  # every rank hears from every peer in every run (see the executor)
-    # Writes into the CCL buffers (the executor first waits until no peer still uses the call's
-    # half: every peer finished the collective two before); False: mailboxes or the user's buffers only.
-    uses_ccl: ClassVar[bool] = True
+    # The executor first waits until every peer finished the collective two before: no peer still
+    # uses the call's half of the CCL buffers, and no peer runs more than two calls ahead (eager's
+    # bound on early messages). False: an algorithm with neither need (oneshot: its mailbox
+    # publications keep their own rule).
+    waits_progress: ClassVar[bool] = True
     runs: ClassVar[Mapping[str, OpRun]] = {}
 
     _estimates: ClassVar[bool] = False  # the class gives ``work`` (set for each subclass)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import zlib
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from functools import cached_property
 
 import numpy as np
@@ -103,7 +103,9 @@ class Topology:
     all_mapped: bool = False  # every link maps its peer's CCL buffers (Link.mapped)
     single_copy: bool = False  # every rank can read every peer's memory (agreed at init)
     mailbox: int = 0  # payload bytes of a mailbox slot (``Context.mailbox``); 0: no mailboxes
-    eager: int = 0  # bytes of one eager message every link carries (``DataLink.send_eager``); 0: not every link
+    # bytes of one eager message every link carries (``DataLink.send_eager``); 0: not every link.
+    # Set by ``Comm.__init__`` from its links, not by the code that builds the rest.
+    eager: int = 0
 
     @cached_property
     def servers(self) -> int:
@@ -111,8 +113,7 @@ class Topology:
 
     @cached_property
     def _hash(self) -> int:
-        return hash((self.rank, self.size, self.hosts, self.link_kinds, self.all_mapped, self.single_copy,
-                     self.mailbox, self.eager))
+        return hash(tuple(getattr(self, f.name) for f in fields(self)))
 
     def __hash__(self) -> int:  # part of the selector's key on every call: hashed once, not per call
         return self._hash

@@ -37,9 +37,10 @@ from typing import Any
 import numpy as np
 
 from ..transports.base import DataLink
+from . import _mailbox_sync as sync
 from .base import Algorithm, Call, Context, Resources, Topology
 from .cost import CostModel, Work
-from .oneshot import STEP, OneShot, _arrivals, publish, settle
+from .oneshot import STEP, OneShot
 
 OPS = frozenset({"broadcast", "all_gather"})
 # One read task's bytes at most (a failed peer is noticed between slices). Measured at 64 MiB,
@@ -151,7 +152,7 @@ class Direct(Algorithm):
         if not ctx.topo.single_copy:
             ctx.tally("direct.staged")
             await _FALLBACK.orchestrate(ctx)
-            await settle(ctx)  # a broadcast's non-root waited for the root only: direct's runs are exchanged
+            await sync.settle(ctx)  # a broadcast's non-root waited for the root only: direct's runs are exchanged
             return
         ctx.tally("direct.single_copy")
         box = ctx.mailbox
@@ -160,8 +161,8 @@ class Direct(Algorithm):
         src, dst = ctx.src, ctx.dst
         root = call.root
         mine = None if call.op == "broadcast" and r != root else _address(src)
-        tick, _ = await publish(ctx, mine)
-        await _arrivals(ctx, tick)
+        tick, _ = await sync.publish(ctx, mine)
+        await sync.arrivals(ctx, tick)
         jobs: list[tuple[DataLink, np.ndarray, int]] = []
         if call.op == "broadcast":
             if r != root:
@@ -176,7 +177,7 @@ class Direct(Algorithm):
         await _read_all(jobs, local, threads(call, ctx.topo))
         tick, _ = box.publish(call.seq, ctx.fingerprint)  # done reading: the owners may go on (nothing loose)
         # A broadcast's root waits here for the whole read: sleeping at once keeps its spin for short waits
-        await _arrivals(ctx, tick, may_spin=call.op != "broadcast" or r != root)
+        await sync.arrivals(ctx, tick, may_spin=call.op != "broadcast" or r != root)
 
 
 async def _read_all(jobs: list[tuple[DataLink, np.ndarray, int]], local: tuple[np.ndarray, np.ndarray] | None,

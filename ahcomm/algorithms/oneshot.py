@@ -25,18 +25,12 @@ lost or an abort fails the run's wake-up notify, so a waiting rank raises at onc
 
 from __future__ import annotations
 
-import asyncio
-import os
-import time
-
 import numpy as np
 
-from .._notify import Notify
-from ..transports.base import Mailboxes
+from ._mailbox_sync import arrivals, publish
 from .base import Algorithm, Call, Context, Resources, Topology
 from .cost import CostModel, Work, npieces
 
-RECHECK = 0.05  # seconds a sleeping waiter waits before it looks at the flags again, woken or not
 STEP = 1 / 3  # a mailbox step, in link alphas (see ``OneShot.cost``)
 OPS = frozenset({"all_reduce", "reduce_scatter", "all_gather", "broadcast", "barrier"})
 
@@ -53,7 +47,7 @@ def published_bytes(call: Call, size: int) -> int:
 class OneShot(Algorithm):
     name = "oneshot"
     ops = OPS
-    uses_ccl = False  # mailboxes only: their own rule (``publish``) guards the slots
+    waits_progress = False  # no CCL buffers; the mailbox slots keep their own rule (``_mailbox_sync.publish``)
 
     def exchanged(self, call: Call) -> bool:
         """A broadcast's non-roots wait for the root's publication only (the root waits for
@@ -106,11 +100,11 @@ class OneShot(Algorithm):
         data = None if op == "barrier" or (op == "broadcast" and r != call.root) else src
         tick, mine = await publish(ctx, data)
         if op == "broadcast" and r != call.root:  # the root's publication is all it reads
-            await _arrivals(ctx, tick, (call.root,))
+            await arrivals(ctx, tick, (call.root,))
             box.loose = (tick, seq, ctx.fingerprint)
             np.copyto(dst, box.payload(call.root, tick).view(call.dtype).reshape(dst.shape))
             return
-        await _arrivals(ctx, tick)
+        await arrivals(ctx, tick)
         if op == "barrier":
             return
         dtype = call.dtype
@@ -132,95 +126,3 @@ class OneShot(Algorithm):
         ufunc(parts[0], parts[1], out=out)
         for part in parts[2:]:
             ufunc(out, part, out=out)
-
-
-async def publish(ctx: Context, data: np.ndarray | None) -> tuple[int, np.ndarray]:
-    """This run's next publication (``Mailbox.publish``), once every peer's previous one is
-    seen (``settle``)."""
-    box = ctx.mailbox
-    assert box is not None
-    if box.loose is not None:
-        await settle(ctx)
-    return box.publish(ctx.call.seq, ctx.fingerprint, data)
-
-
-async def settle(ctx: Context) -> None:
-    """Until every peer has made this rank's last publication too (a run that waited for some
-    peers only left it ``loose``: their slots may still be read; their calls are checked)."""
-    box = ctx.mailbox
-    assert box is not None
-    loose = box.loose
-    if loose is not None:
-        tick, seq, fp = loose
-        await _arrivals(ctx, tick, call=(seq, fp))
-        box.loose = None
-
-
-async def _arrivals(ctx: Context, tick: int, peers: tuple[int, ...] | None = None,
-                    call: tuple[int, int] | None = None, may_spin: bool = True) -> None:
-    """Until every peer (or those of ``peers``) has made publication ``tick``; each one's call is
-    checked on the way against this run's (or ``call``: the seq and fingerprint of ``tick``'s).
-    ``may_spin=False``: a wait known to be long sleeps at once (and does not count as a miss of the
-    adaptive spin, which would turn spinning off for the short waits after it)."""
-    box = ctx.mailbox
-    assert box is not None
-    seq, fp = call if call is not None else (ctx.call.seq, ctx.fingerprint)
-    pending = [p for p in range(ctx.size) if p != ctx.rank] if peers is None else list(peers)
-    flag = None
-    spin = box.spin.allowed() if may_spin else 0.0
-    yields = spin and box.spin.yields
-    deadline = 0.0
-    net: asyncio.TimerHandle | None = None
-    try:
-        while True:
-            left = []
-            for p in pending:
-                theirs = box.arrived(p, tick)
-                if theirs is None:
-                    left.append(p)
-                elif theirs != (seq, fp):
-                    _differs(ctx, p, *theirs)
-                    left.append(p)  # its slot holds another call: never read it
-            if not left:
-                if spin:
-                    box.spin.result(True)
-                return
-            pending = left
-            if spin:  # poll a little before sleeping (the peers are on other cores)
-                if deadline == 0.0:
-                    deadline = time.perf_counter() + spin
-                    continue
-                if time.perf_counter() < deadline:
-                    if yields:
-                        os.sched_yield()
-                    continue
-                box.spin.result(False)
-                spin = 0.0
-            if flag is None:
-                flag = ctx.local("mailbox")
-                box.on_wake = flag.post
-                box.sleep()
-                continue  # a publish may have landed before we were marked asleep: look once more
-            if net is not None:
-                net.cancel()
-            # the safety net: a wake-up lost for any reason costs RECHECK, never a hang
-            net = asyncio.get_running_loop().call_later(RECHECK, _poke, flag, box)
-            await flag.wait()
-    finally:
-        if flag is not None:
-            box.awake()
-            box.on_wake = None
-        if net is not None:
-            net.cancel()
-
-
-def _poke(flag: Notify, box: Mailboxes) -> None:
-    """The safety net's timer: look at the flags again."""
-    box.rechecks += 1
-    flag.post()
-
-
-def _differs(ctx: Context, peer: int, seq: int, fp: int) -> None:
-    """``peer`` published another call: the communicator's fingerprint check (the link's hook)
-    fails the communicator, which fails this run's wake-up notify with the verdict."""
-    ctx.links[peer].check_fingerprint(seq, fp)

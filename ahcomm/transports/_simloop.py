@@ -61,7 +61,7 @@ class Delay:
         """Run ``callback()`` once the time has come, one ready-queue turn later (as a future's
         done callback would: the same order of events)."""
         loop = self.loop
-        heapq.heappush(loop._heap, (self.when, next(loop._seq), loop._ready.append, ((callback, (), None),), None))
+        loop.at(self.when, loop._ready.append, (callback, (), None))
 
 
 class VirtualLoop(asyncio.AbstractEventLoop):

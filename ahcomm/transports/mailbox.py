@@ -243,6 +243,7 @@ class Mailbox:
         """Write ``data`` (any contiguous array, or None: a header only) for collective ``seq``
         into this rank's next slot, set its flag and wake every peer; returns (the publication's
         tick, the slot's payload as written)."""
+        assert self.loose is None, "a loose publication is settled first (algorithms._mailbox_sync.publish)"
         tick = self.tick
         self.tick = tick + 1
         slot = tick & 1
