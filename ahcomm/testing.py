@@ -130,16 +130,20 @@ async def local_links(size: int, *, transport: str = "inproc", buffsize: int = 1
 
 
 async def local_world(size: int, *, transport: str = "inproc", buffsize: int = 1 << 16, algo: str = "",
-                      hosts: Sequence[str] | None = None, timeout: float = 30.0) -> list[Comm]:
+                      hosts: Sequence[str] | None = None, timeout: float = 30.0,
+                      single_copy: bool = True) -> list[Comm]:
     """``size`` communicators in this event loop over ``transport`` (one of ``TRANSPORTS``).
 
     ``hosts`` (one name per rank) fakes servers in the topology the algorithms see (the links
     stay what ``transport`` makes): two-level algorithms run in one process that way.
+    ``single_copy=False`` (in-process links only): ranks that cannot read each other's memory.
     """
+    if not single_copy and transport != "inproc":
+        raise ValueError("single_copy=False is an option of in-process links")
     if hosts is not None and len(hosts) != size:
         raise ValueError(f"hosts names {len(hosts)} ranks, the world has {size}")
     if transport == "inproc":
-        comms = await _bootstrap.create_inprocess(size, buffsize=buffsize, algo=algo)
+        comms = await _bootstrap.create_inprocess(size, buffsize=buffsize, algo=algo, single_copy=single_copy)
         if hosts is not None:
             for c in comms:
                 c._set_topology(dataclasses.replace(c.topology, hosts=tuple(hosts)))

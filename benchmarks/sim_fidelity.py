@@ -33,7 +33,9 @@ def _load() -> str:
 
 def measure(op: str, n: int, algorithm: str, iters: int, tmp: Path, env: dict[str, str]) -> dict[int, float]:
     out = tmp / f"{op}-{n}.json"
-    cmd = [sys.executable, "-m", "ahcomm.bench", "-n", str(n), op, "-b", "2M", "-e", "64M", "-f", "32", "-c", "0",
+    lo, hi = min(SIZES), max(SIZES)  # the sweep from SIZES' smallest to largest, one step apart
+    cmd = [sys.executable, "-m", "ahcomm.bench", "-n", str(n), op, "-b", str(lo), "-e", str(hi), "-f", str(hi // lo),
+           "-c", "0",
            "-w", "2", "-i", str(iters), "--max-seconds", "2", "--algorithm", algorithm, "--json", str(out)]
     subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL)
     rows = json.loads(out.read_text())["rows"]

@@ -99,7 +99,7 @@ def stragglers(n: int, k: int, rows: list[dict[str, Any]]) -> None:
                   flush=True)
 
 
-def plot(rows: list[dict[str, Any]], path: str) -> None:
+def plot(rows: list[dict[str, Any]], path: str, per_server: int) -> None:
     from ahcomm._plot import require
 
     plt = require()
@@ -119,7 +119,7 @@ def plot(rows: list[dict[str, Any]], path: str) -> None:
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_title(f"all_reduce {label}")
-        ax.set_xlabel("ranks (8 per server)")
+        ax.set_xlabel(f"ranks ({per_server} per server)")
         ax.set_ylabel("predicted time (us)")
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=8)
@@ -149,7 +149,7 @@ def main() -> None:
             for row in rows:
                 f.write(json.dumps(row) + "\n")
     if args.png:
-        plot(rows, args.png)
+        plot(rows, args.png, args.per_server)
 
 
 if __name__ == "__main__":

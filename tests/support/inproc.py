@@ -16,12 +16,13 @@ JOB_TIMEOUT = 60.0  # seconds an in-process job may take before the test fails i
 
 
 async def run_inproc(size: int, body: Callable[[ahcomm.Comm], Awaitable[Any]], *, buffsize: int = 1 << 16,
-                     algo: str = "", transport: str = "inproc") -> list[Any]:
+                     algo: str = "", transport: str = "inproc", single_copy: bool = True) -> list[Any]:
     """Run ``body(comm)`` on every rank of a job in this event loop; return the per-rank results.
 
     ``transport``: "inproc" (direct calls), or real "sdma" / "rdma" links made in this process.
+    ``single_copy=False``: in-process ranks that cannot read each other's memory.
     """
-    comms = await local_world(size, transport=transport, buffsize=buffsize, algo=algo)
+    comms = await local_world(size, transport=transport, buffsize=buffsize, algo=algo, single_copy=single_copy)
     try:
         return list(await asyncio.wait_for(asyncio.gather(*(body(c) for c in comms)), timeout=JOB_TIMEOUT))
     finally:
