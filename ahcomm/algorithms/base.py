@@ -37,8 +37,22 @@ from .call import WHOLE, Call, Resources, Topology
 from .cost import CostModel, Work, call_bytes
 
 ALIGN = 64  # byte alignment of every region an algorithm carves from a CCL buffer
-__all__ = ["ALIGN", "WHOLE", "Algorithm", "Call", "Context", "OpRun", "Registry", "Resources", "Topology",
-           "align_up", "aligned", "pieces", "split"]
+__all__ = [
+    "ALIGN",
+    "WHOLE",
+    "Algorithm",
+    "Call",
+    "Context",
+    "OpRun",
+    "Registry",
+    "Resources",
+    "Topology",
+    "align_up",
+    "aligned",
+    "fold",
+    "pieces",
+    "split",
+]
 
 
 class Context:
@@ -247,6 +261,14 @@ class Algorithm:
         except KeyError:
             raise NotImplementedError(f"algorithm {self.name!r} has no run for {ctx.call.op}") from None
         return run(self, ctx)
+
+
+def fold(ufunc: np.ufunc, parts: Sequence[np.ndarray], out: np.ndarray) -> None:
+    """out = parts[0] op parts[1] op ... in this order (2 parts or more; the same bits on every
+    rank that folds the same parts). ``out`` may be one of the parts only if it is the first."""
+    ufunc(parts[0], parts[1], out=out)
+    for part in parts[2:]:
+        ufunc(out, part, out=out)
 
 
 def split(count: int, parts: int) -> list[tuple[int, int]]:

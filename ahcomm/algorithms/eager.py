@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from .base import Algorithm, Call, Context, Topology
+from .base import Algorithm, Call, Context, Topology, fold
 from .cost import CostModel, Work
 
 EXCHANGED = frozenset({"all_reduce", "reduce_scatter", "all_gather", "all_to_all", "barrier"})  # all to all
@@ -173,7 +173,4 @@ def _reduce(ctx: Context, mine: np.ndarray, dst: np.ndarray, got: dict[int, Any]
     if r >= 2 and np.may_share_memory(mine, dst):  # dst is written before this rank's part is read
         mine = mine.copy()
     parts = [mine if p == r else np.frombuffer(got[p], dtype) for p in range(ctx.size)]
-    out = dst.reshape(-1)
-    ufunc(parts[0], parts[1], out=out)
-    for part in parts[2:]:
-        ufunc(out, part, out=out)
+    fold(ufunc, parts, dst.reshape(-1))

@@ -28,7 +28,7 @@ from __future__ import annotations
 import numpy as np
 
 from ._mailbox_sync import arrivals, publish
-from .base import Algorithm, Call, Context, Resources, Topology
+from .base import Algorithm, Call, Context, Resources, Topology, fold
 from .cost import CostModel, Work, npieces
 
 STEP = 1 / 3  # a mailbox step, in link alphas (see ``OneShot.cost``)
@@ -122,7 +122,4 @@ class OneShot(Algorithm):
         if op == "reduce_scatter":  # src: (n, slice), published row by row: this rank's row of each
             k = src.shape[1]
             parts = [part[r * k:(r + 1) * k] for part in parts]
-        out = dst.reshape(-1)
-        ufunc(parts[0], parts[1], out=out)
-        for part in parts[2:]:
-            ufunc(out, part, out=out)
+        fold(ufunc, parts, dst.reshape(-1))
