@@ -89,15 +89,14 @@ async def test_matrix_over_sdma_links_in_process(size: int, rng: np.random.Gener
 
 
 @pytest.mark.parametrize("size", [2, 5])
-async def test_large_calls_are_read_in_slices_on_threads(size: int, rng: np.random.Generator,
-                                                         monkeypatch: pytest.MonkeyPatch) -> None:
-    """Slices of 64 KiB on two threads, a call far larger than the CCL buffer (64 KiB here)."""
-    monkeypatch.setattr(direct, "SLICE_BYTES", 64 << 10)
-    monkeypatch.setattr(direct, "MIN_SLICE", 64 << 10)
+async def test_large_calls_are_copied_in_chunks_on_threads(size: int, rng: np.random.Generator,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """Chunks of 64 KiB on two threads, a call far larger than the CCL buffer (64 KiB here)."""
+    monkeypatch.setattr(direct, "CHUNK_BYTES", 64 << 10)
     monkeypatch.setattr(direct, "INLINE_BYTES", 1)
     monkeypatch.setattr(direct, "_cores", lambda: 2 * size)
     lanes: list[int] = []
-    slices = [0]
+    spans: list[int] = []
     real_pool = direct._pool
 
     def pool(n: int) -> Any:
@@ -105,17 +104,31 @@ async def test_large_calls_are_read_in_slices_on_threads(size: int, rng: np.rand
         inner = real_pool(n)
 
         class Counting:
-            def submit(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
-                slices[0] += 1
-                return inner.submit(fn, *args, **kwargs)
+            def submit(self, fn: Any, span: list[list[Any]], *args: Any) -> Any:
+                spans.append(sum(len(ops) for ops in span))
+                return inner.submit(fn, span, *args)
         return Counting()
 
     monkeypatch.setattr(direct, "_pool", pool)
     await check_matrix(size, rng, counts=[1, 100_003])
-    assert set(lanes) == {2}, lanes  # every threaded read used two lanes
-    # without slicing a call hands at most one task per rank's row (reads and the local copy) to the
-    # threads; the 100,003-element rows (100 KB to 800 KB) went in 64 KiB slices
-    assert slices[0] > size * len(lanes), (slices[0], len(lanes))
+    assert set(lanes) == {1, 2}, lanes  # two lanes, one where the call is one chunk (count 1)
+    # a lane without chunks holds at most one copy per row (reads, writes and the local copy); the
+    # 100,003-element rows (100 KB to 800 KB) went in 64 KiB chunks
+    assert max(spans) > size, spans
+
+
+def test_chunks_interleave_the_moves() -> None:
+    """Chunk k of every move before chunk k+1 of any, in the moves' order (the local copy first:
+    its chunk is in cache for the writes that follow)."""
+    made: list[tuple[str, int, int]] = []
+
+    def move(name: str, nbytes: int) -> direct.Move:
+        return nbytes, lambda lo, hi, later: later(made.append, (name, lo, hi))
+
+    direct._run(direct._chunks([move("local", 150), move("p1", 150), move("p2", 70)], 64), None, False)
+    assert made == [("local", 0, 64), ("p1", 0, 64), ("p2", 0, 64),
+                    ("local", 64, 128), ("p1", 64, 128), ("p2", 64, 70),
+                    ("local", 128, 150), ("p1", 128, 150)]
 
 
 @pytest.mark.parametrize("size", [2, 3, 5])
@@ -155,19 +168,24 @@ def test_copies_one_per_byte(op: str) -> None:
                     single_copy=True, mailbox=1 << 18)
     call = Call(op=op, seq=0, dtype=np.dtype(np.float32), count=1 << 20)
     entry = copies("direct", call, topo)
-    assert entry is not None and (entry["owner"], entry["reader"], entry["single_copy"]) == (0, 1, True)
+    made = (1, 0) if op == "all_gather" else (0, 1)  # all_gather's owner writes, broadcast's readers read
+    assert entry is not None and (entry["owner"], entry["reader"], entry["single_copy"]) == (*made, True)
     staged = copies("direct", call, Topology(**{**topo.__dict__, "single_copy": False}))
     assert staged is not None and (staged["total"], staged["single_copy"]) == (2, False)
 
 
-async def test_a_failing_read_fails_every_rank(monkeypatch: pytest.MonkeyPatch) -> None:
-    def broken(self: object, dst: np.ndarray, addr: int, run: object) -> None:
-        raise OSError(14, "simulated process_vm_readv failure")
+@pytest.mark.parametrize("op,copy", [("broadcast", "read"), ("all_gather", "write")])
+async def test_a_failing_copy_fails_every_rank(op: str, copy: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """broadcast's readers read the root's vector; all_gather's ranks write their blocks to the peers."""
+    def broken(self: object, array: np.ndarray, addr: int, run: object) -> None:
+        raise OSError(14, f"simulated process_vm_{copy}v failure")
 
-    monkeypatch.setattr(inproc.InprocLink, "read", broken)
+    monkeypatch.setattr(inproc.InprocLink, copy, broken)
     comms = await ahcomm.init_inprocess(3)
     try:
-        futs = [c.all_gather(np.ones(1 << 18, np.float32), algorithm="direct") for c in comms]
+        x = np.ones(1 << 18, np.float32)
+        futs = [c.all_gather(x, algorithm="direct") if op == "all_gather" else c.broadcast(x, 0, algorithm="direct")
+                for c in comms]
         results = await asyncio.wait_for(asyncio.gather(*futs, return_exceptions=True), 10)
         assert all(isinstance(r, (OSError, ahcomm.AhcommError)) for r in results), results
     finally:

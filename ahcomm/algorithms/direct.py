@@ -1,36 +1,40 @@
-"""Direct (one host, single copy): every receiver reads the sender's user buffer itself.
+"""Direct (one host, single copy): ranks copy straight between user buffers.
 
-For broadcast and all_gather on one host, OpenMPI's CMA idea: each byte is copied once,
-by the rank that receives it, straight out of the sender's user buffer into its own
-destination (``DataLink.read``: ``process_vm_readv`` between processes, a memmove in one
-process). Nothing is staged in a CCL buffer or mailbox slot.
+For broadcast and all_gather on one host, OpenMPI's CMA idea: each byte is copied once into
+each destination, straight between user buffers through the kernel (``DataLink.read`` /
+``DataLink.write``: ``process_vm_readv`` / ``process_vm_writev`` between processes, a
+memmove in one process). Nothing is staged in a CCL buffer or mailbox slot.
 
 A run is two mailbox publications (``transports.mailbox``, as ``oneshot`` uses them):
 
-1. every rank publishes the address of its input (broadcast: the root only; the others a
-   header), and waits until every peer's publication is there (the fingerprints checked);
-2. each receiver reads what it needs - the root's vector, or every peer's block - in
-   slices of ``SLICE_BYTES``, on up to two threads where the host's cores allow (ctypes
-   releases the GIL); a rank's reads below ``INLINE_BYTES`` (16 MiB) inline on the event
-   loop's thread, in one piece each;
+1. every rank publishes where the copies go or come from - broadcast: the root the address
+   of its input (the others a header); all_gather: every rank the addresses of its output's
+   rows - and waits until every peer's publication is there (the fingerprints checked);
+2. broadcast: each reader reads the root's vector, in slices on up to two threads where the
+   host's cores allow (ctypes releases the GIL). all_gather: each rank copies its own block
+   into its output and writes it into every peer's, chunk by chunk (``CHUNK_BYTES``: a chunk
+   is read from memory once and written ``n`` times from the cache); a rank's copies below
+   ``INLINE_BYTES`` (16 MiB) run inline on the event loop's thread;
 3. every rank publishes "done" and waits for every peer's: no rank returns, and so reuses
-   or frees the buffer its peers read, before every reader has finished.
+   or frees a buffer that peers read or write, before every copy has finished.
 
-Where a rank cannot read its peers' memory (``Topology.single_copy`` false: the kernel's
+Where ranks cannot reach each other's memory (``Topology.single_copy`` false: the kernel's
 ptrace policy, a container, ``AHCOMM_SINGLE_COPY=0``) the run falls back to ``oneshot``'s
 staged path in slot-sized slices; the selector does not pick direct there (no estimate),
 but a call that names it still runs. ``comm.stats()["paths"]`` counts which path ran
 (``direct.single_copy``, ``direct.staged``).
 
-A peer that dies fails the run: a read of a dead process raises ``PeerFailure``, and the
-executor fails the mailbox wait of every other rank (as for oneshot).
+A peer that dies fails the run: a copy to or from a dead process raises ``PeerFailure``, and
+the executor fails the mailbox wait of every other rank (as for oneshot).
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
-from collections.abc import Awaitable
+import threading
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any
 
@@ -43,17 +47,22 @@ from .cost import CostModel, Work
 from .oneshot import STEP, OneShot
 
 OPS = frozenset({"broadcast", "all_gather"})
-# One read task's bytes at most (a failed peer is noticed between slices). Measured at 64 MiB,
-# np=2, load 1-2: slices of 4 MiB 11.5-12.0 GB/s, of 32 MiB 13.6-13.9 (mesh's two halves 13.1-14.0).
+# One copy's bytes at most (a failed peer is noticed between chunks): every rank's rows are copied
+# chunk by chunk in the same order (``_chunk_ops``). Measured, two processes, np=2 all_gather of
+# 32 MiB blocks: 256 KiB 8.6 ms, 512 KiB 7.6-7.7, 1 MiB 7.8-8.0, 2 MiB 7.9-8.3, rows whole 9.0-9.3.
+CHUNK_BYTES = 512 << 10
+# A lone move (a broadcast reader's read, a root's copy) has nothing to interleave: it goes in
+# slices of at most this, split among the lanes. Measured at 64 MiB, np=2, load 1-2: slices of
+# 4 MiB 11.5-12.0 GB/s, of 32 MiB 13.6-13.9 (mesh's two halves 13.1-14.0).
 SLICE_BYTES = 32 << 20
-MIN_SLICE = 512 << 10  # a read is not cut below this to feed a second thread
+MIN_SLICE = 512 << 10  # a lone move is not cut below this to feed a second thread
 # A rank's reads (and local copy) below this run inline on the event loop's thread: every hand-off
 # to a copy thread and back is a wake-up on each side, and two threads reading one source contend.
 # Measured (np=2, blocks of calls interleaved in one job, load 1.5-2.4, us per call): broadcast
 # 2 MiB inline 410-533 vs two threads 660-1294 (one thread 935), 4 MiB 567 vs 968 (one: 526),
 # 8 MiB 1050 vs 1262; 16 MiB threads ahead (1241 vs 1404), 64 MiB too (5479 vs 6699); all_gather
 # 2 MiB 162 vs 511, np=4 1591 vs 2989 (results/2026-11-25-bw2.md).
-INLINE_BYTES = 16 << 20
+INLINE_BYTES = int(os.environ.get("XI", 16 << 20))
 # Per-rank bytes up to which the selector leaves an op to the others (oneshot's slots): a 2 MiB
 # copy through the kernel (4 KiB pages) takes 160-210 us, two in-cache copies through 1 MiB slots
 # far less. Measured (np=2, blocks interleaved in one job, load 2.5, us/call, oneshot / direct /
@@ -88,14 +97,23 @@ def readers(call: Call, topo: Topology) -> int:
 
 
 def threads(call: Call, topo: Topology, cores: int = 0, most: int = 0) -> int:
-    """Copy threads of one reader: up to ``max_threads()``, as many as keep the host's copy
-    threads within four times its cores (a thread waiting on its pages leaves the core to
-    another). Measured on 2 cores, 3 interleaved rounds, medians: np=4 64 MiB broadcast 3.99
-    GB/s with two threads per reader vs 3.62 with one (mesh, two engines: 3.70); np=2 all_gather
-    two threads per rank, as mesh's two engines. ``cores`` and ``most`` default to this process's
-    cores and ``max_threads()``; the cost estimate passes the model's (rank 0's) and ``THREADS``,
-    so that every rank prices a call alike."""
-    return max(1, min(most or max_threads(), 4 * (cores or _cores()) // max(1, readers(call, topo))))
+    """Copy threads of one rank, up to ``max_threads()``. broadcast: as many as keep the host's
+    copy threads within four times its cores (a thread waiting on its pages leaves the core to
+    another; the root only waits). Measured on 2 cores, 3 interleaved rounds, medians: np=4 64 MiB
+    broadcast 3.99 GB/s with two threads per reader vs 3.62 with one (mesh, two engines: 3.70).
+    all_gather: every rank copies for the whole call, so a thread per core at most (np=2 on 2
+    cores, four rounds of 32 / 64 MiB: one thread 4.2-4.5 / 7.7-8.3 ms, two 4.5-5.9 / 8.3-8.9).
+    ``cores`` and ``most`` default to this process's cores and ``max_threads()``; the cost estimate
+    passes the model's (rank 0's) and ``THREADS``, so that every rank prices a call alike."""
+    cores, most = cores or _cores(), most or max_threads()
+    if call.op == "all_gather":
+        return max(1, min(most, cores // max(1, topo.size)))
+    return max(1, min(most, 4 * cores // max(1, readers(call, topo))))
+
+
+def oversubscribed(topo: Topology) -> bool:
+    """Whether the host's ranks outnumber this process's cores (direct runs on one host only)."""
+    return topo.size > _cores()
 
 
 def _pool(n: int) -> ThreadPoolExecutor:
@@ -103,10 +121,6 @@ def _pool(n: int) -> ThreadPoolExecutor:
     if pool is None:
         pool = _POOLS[n] = ThreadPoolExecutor(max_workers=n, thread_name_prefix=f"ahcomm-direct{n}")
     return pool
-
-
-def _inline(fn: Any, *args: Any, **kwargs: Any) -> None:
-    fn(*args, **kwargs)
 
 
 def _address(array: np.ndarray) -> np.ndarray:
@@ -138,11 +152,11 @@ class Direct(Algorithm):
         return super().cost(call, topo, model)
 
     def work(self, call: Call, topo: Topology, model: CostModel, whole: float, block: float) -> Work:
-        """Two mailbox steps (publish and wait, ``STEP`` of a link's alpha each); a receiver copies
-        what it receives once: broadcast ``m`` (the readers work, the root only publishes),
-        all_gather ``n m`` (its own block locally, the peers' through the kernel); reads of at
-        least ``INLINE_BYTES`` are handed to threads (one engine hand-off), spread over
-        ``threads`` of them."""
+        """Two mailbox steps (publish and wait, ``STEP`` of a link's alpha each); each byte is
+        copied once into each destination: broadcast ``m`` by each reader (the root only
+        publishes), all_gather ``n m`` by each rank (its block into its own output and every
+        peer's); copies of at least ``INLINE_BYTES`` are handed to threads (one engine
+        hand-off), spread over ``threads`` of them."""
         busy = topo.size - 1 if call.op == "broadcast" else None
         copied = whole
         return Work(rounds=2 * STEP, copied=copied, engines=1 if copied >= INLINE_BYTES else 0, busy=busy,
@@ -160,60 +174,118 @@ class Direct(Algorithm):
         call, n, r = ctx.call, ctx.size, ctx.rank
         src, dst = ctx.src, ctx.dst
         root = call.root
-        mine = None if call.op == "broadcast" and r != root else _address(src)
+        if call.op == "all_gather":  # every rank writes its block into every peer's row for it
+            mine: np.ndarray | None = np.array([row.ctypes.data for row in dst], np.int64)
+        else:  # every reader reads the root's vector
+            mine = None if r != root else _address(src)
         tick, _ = await sync.publish(ctx, mine)
         await sync.arrivals(ctx, tick)
-        jobs: list[tuple[DataLink, np.ndarray, int]] = []
+        moves: list[Move] = []
+        local = (dst[r], src) if call.op == "all_gather" else (dst, src) if r == root else None
+        if local is not None and not np.shares_memory(*local):  # first: its chunks are then in cache for the writes
+            moves.append(_copying(*local))
         if call.op == "broadcast":
             if r != root:
-                jobs.append((ctx.links[root], dst, int(box.payload(root, tick).view(np.int64)[0])))
-        else:  # dst: (n, count), rows contiguous
-            for p in range(n):
-                if p != r:
-                    jobs.append((ctx.links[p], dst[p], int(box.payload(p, tick).view(np.int64)[0])))
-        local = (dst[r], src) if call.op == "all_gather" else (dst, src) if r == root else None
-        if local is not None and np.shares_memory(*local):
-            local = None  # in place
-        await _read_all(jobs, local, threads(call, ctx.topo))
+                moves.append(_reading(ctx.links[root], dst, int(box.payload(root, tick).view(np.int64)[0])))
+        else:  # dst: (n, count), rows contiguous; peers in turn from the next rank on (not all at rank 0 first)
+            for p in ((r + k) % n for k in range(1, n)):
+                moves.append(_writing(ctx.links[p], src, int(box.payload(p, tick).view(np.int64)[r])))
+        await _copy_all(moves, threads(call, ctx.topo), oversubscribed(ctx.topo))
         tick, _ = box.publish(call.seq, ctx.fingerprint)  # done reading: the owners may go on (nothing loose)
         # A broadcast's root waits here for the whole read: sleeping at once keeps its spin for short waits
         await sync.arrivals(ctx, tick, may_spin=call.op != "broadcast" or r != root)
 
 
-async def _read_all(jobs: list[tuple[DataLink, np.ndarray, int]], local: tuple[np.ndarray, np.ndarray] | None,
-                    lanes: int) -> None:
-    """Read every job (link, destination, peer's address) and make the ``local`` copy (dst, src):
-    inline if small, else in slices on ``lanes`` threads, the local copy among them; waits for
-    every slice (none still writes once this returns)."""
-    total = sum(dst.nbytes for _, dst, _ in jobs) + (local[0].nbytes if local is not None else 0)
+class _Later:
+    """A link's runner (``MemoryRunner``) that keeps each copy to run later, in order; the link
+    counts its bytes at once, on the event loop's thread."""
+
+    def __init__(self) -> None:
+        self.ops: list[Callable[[], Any]] = []
+
+    def __call__(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
+        self.ops.append(functools.partial(fn, *args, **kwargs))
+
+
+Move = tuple[int, Callable[[int, int, _Later], None]]  # (bytes, queue the copy of bytes [lo, hi) on a _Later)
+
+
+def _copying(dst: np.ndarray, src: np.ndarray) -> Move:
+    to, of = (a.reshape(-1).view(np.uint8) for a in (dst, src))
+    return to.nbytes, lambda lo, hi, later: later(np.copyto, to[lo:hi], of[lo:hi])
+
+
+def _reading(link: DataLink, dst: np.ndarray, addr: int) -> Move:
+    raw = dst.reshape(-1).view(np.uint8)
+
+    def piece(lo: int, hi: int, later: _Later) -> None:
+        link.read(raw[lo:hi], addr + lo, later)
+    return raw.nbytes, piece
+
+
+def _writing(link: DataLink, src: np.ndarray, addr: int) -> Move:
+    raw = src.reshape(-1).view(np.uint8)
+
+    def piece(lo: int, hi: int, later: _Later) -> None:
+        link.write(raw[lo:hi], addr + lo, later)
+    return raw.nbytes, piece
+
+
+def _chunks(moves: list[Move], chunk: int) -> list[list[Callable[[], Any]]]:
+    """The copies of a run, chunk by chunk: chunk ``k`` is every move's ``k``-th piece, in the
+    moves' order. A source is copied from while its chunk is in this core's cache (all_gather:
+    the local copy, then the writes to every peer - measured, np=4 on 2 cores, 64 MiB: 13-14 ms
+    vs 16.7 reading the peers' blocks chunk by chunk), or, for reads, while its owner's copy
+    or another reader's read of it is (np=2, 64 MiB all_gather: 7.6 ms in 512 KiB chunks vs
+    9.0 row by row)."""
+    chunks = []
+    for lo in range(0, max((nbytes for nbytes, _ in moves), default=0), chunk):
+        later = _Later()
+        for nbytes, piece in moves:
+            if lo < nbytes:
+                piece(lo, min(lo + chunk, nbytes), later)
+        chunks.append(later.ops)
+    return chunks
+
+
+def _run(chunks: list[list[Callable[[], Any]]], stop: threading.Event | None, yields: bool) -> None:
+    """Run the chunks' copies in order (until ``stop`` is set); with ``yields``, give the core away
+    after each chunk (``_copy_all``)."""
+    for ops in chunks:
+        if stop is not None and stop.is_set():
+            return
+        for op in ops:
+            op()
+        if yields:
+            os.sched_yield()
+
+
+async def _copy_all(moves: list[Move], lanes: int, yields: bool) -> None:
+    """Make every move in chunks of ``CHUNK_BYTES`` (``_chunks``; a lone move in slices of up to
+    ``SLICE_BYTES``, one per lane): inline if small, else on
+    ``lanes`` threads, each a contiguous span of the chunks; waits for every lane (none still
+    writes once this returns).
+
+    ``yields`` (the host's ranks outnumber its cores): give the core away after every chunk.
+    Without it the scheduler runs a rank's whole copy (8 ms at 64 MiB) in one slice while others
+    wait, the last rank finishes alone and a core idles: np=4 on 2 cores, 64 MiB all_gather, each
+    rank's copy took 6-8.7 ms of CPU but 8.5-18 ms of wall time, 21.2 ms a call; yielding after
+    each chunk, 12-13.7 ms of wall for every rank, 15.2 ms a call (after every second chunk 20.4,
+    every fourth 26.3)."""
+    total = sum(nbytes for nbytes, _ in moves)
+    chunk = CHUNK_BYTES if len(moves) > 1 else max(MIN_SLICE, min(SLICE_BYTES, -(-total // lanes)))
+    chunks = _chunks(moves, chunk)
     if total < INLINE_BYTES:
-        if local is not None:
-            np.copyto(*local)
-        for link, dst, addr in jobs:
-            link.read(dst, addr, _inline)
+        _run(chunks, None, yields)
         return
-    piece = max(MIN_SLICE, min(SLICE_BYTES, -(-total // lanes)))
+    lanes = max(1, min(lanes, len(chunks)))
     pool = _pool(lanes)
-    tasks: list[Future[Any]] = []
-
-    def run(fn: Any, *args: Any, **kwargs: Any) -> "asyncio.Future[Any]":
-        tasks.append(pool.submit(fn, *args, **kwargs))
-        return asyncio.wrap_future(tasks[-1])
-
-    futures: list[Awaitable[Any]] = []
-    if local is not None:  # on the threads too: it overlaps the reads
-        to, of = (a.reshape(-1).view(np.uint8) for a in local)
-        futures += [run(np.copyto, to[lo:lo + piece], of[lo:lo + piece]) for lo in range(0, to.nbytes, piece)]
-    for link, dst, addr in jobs:
-        raw = dst.reshape(-1).view(np.uint8)
-        for lo in range(0, raw.nbytes, piece):
-            fut = link.read(raw[lo:lo + piece], addr + lo, run)
-            assert fut is not None
-            futures.append(fut)
+    stop = threading.Event()
+    spans = [chunks[i * len(chunks) // lanes:(i + 1) * len(chunks) // lanes] for i in range(lanes)]
+    tasks: list[Future[Any]] = [pool.submit(_run, span, stop, yields) for span in spans]
     try:
-        await asyncio.gather(*futures)
+        await asyncio.gather(*(asyncio.wrap_future(task) for task in tasks))
     except BaseException:
-        for task in tasks:
-            task.cancel()  # slices not started yet never start
-        wait(tasks)  # those running finish (one slice at most each): nothing writes into dst after we return
+        stop.set()  # lanes finish the chunk they are in and start no other
+        wait(tasks)  # nothing writes into dst after we return
         raise

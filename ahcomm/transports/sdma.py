@@ -79,12 +79,33 @@ class SdmaLink(MappedAccess, ZmqLink):
     def _read(self, dst: np.ndarray, addr: int) -> None:
         try:
             _cma.read(self.pid, dst, addr)
-        except OSError as exc:  # the peer's process is gone (often noticed here first), or its memory is
-            if exc.errno == errno.ESRCH:
-                raise PeerFailure(f"rank {self.peer} is lost: its process (pid {self.pid}) is gone "
-                                  f"(noticed by rank {self.rank} reading its memory)", rank=self.peer) from None
-            raise TransportError(f"sdma link {self.peer}->{self.rank}: reading rank {self.peer}'s memory "
-                                 f"failed: {exc}") from exc
+            return
+        except OSError as exc:
+            failure = self._copy_error(exc, "reading")
+        raise failure  # outside the handler: a lost peer's error carries no OSError context
+
+    def write(self, src: np.ndarray, addr: int, run: MemoryRunner) -> "Awaitable[Any] | None":
+        self.bytes_sent += src.nbytes
+        return run(self._write, src, addr)
+
+    def _write(self, src: np.ndarray, addr: int) -> None:
+        try:
+            _cma.write(self.pid, addr, src)
+            return
+        except OSError as exc:
+            failure = self._copy_error(exc, "writing")
+        raise failure  # outside the handler: a lost peer's error carries no OSError context
+
+    def _copy_error(self, exc: OSError, doing: str) -> Exception:
+        """The error for a failed single copy: the peer's process is gone (often noticed here
+        first), or its memory is not there."""
+        if exc.errno == errno.ESRCH:
+            return PeerFailure(f"rank {self.peer} is lost: its process (pid {self.pid}) is gone "
+                               f"(noticed by rank {self.rank} {doing} its memory)", rank=self.peer)
+        way = f"{self.peer}->{self.rank}" if doing == "reading" else f"{self.rank}->{self.peer}"
+        error = TransportError(f"sdma link {way}: {doing} rank {self.peer}'s memory failed: {exc}")
+        error.__cause__ = exc
+        return error
 
     def on_data_message(self, kind: int, a: int, index: int, nbytes: int, seq: int, offset: int,
                         sock: zmq.Socket[Any]) -> None:
