@@ -18,9 +18,9 @@ from collections.abc import AsyncIterator, Callable
 import numpy as np
 import pytest
 
-from ahcomm import _bootstrap
+from ahcomm import TransportError, _bootstrap
 from ahcomm.testing import TRANSPORTS, LocalLinks, local_links
-from ahcomm.transports.base import EAGER_BYTES, Link, Signal
+from ahcomm.transports.base import EAGER_BYTES, MAX_CONTROL, Link, Signal
 
 from support.sizes import LINK_SIZES
 
@@ -198,6 +198,17 @@ async def test_eager_messages_before_and_after_they_are_asked_for(pair: LocalLin
     b.send_eager(5, 0, src)  # the other direction, the same seq
     assert bytes(await asyncio.wait_for(a.eager(5), 10)) == bytes(src)
     assert not a._eager and not b._eager  # nothing left behind
+
+
+async def test_oversized_eager_and_control_messages_are_refused_alike(pair: LocalLinks) -> None:
+    """Every transport refuses a message over its limit with the same error, naming the link."""
+    a, b = ends(pair)
+    with pytest.raises(TransportError, match=rf"link 0->1: an eager message of {EAGER_BYTES + 1} bytes"):
+        a.send_eager(3, 0, np.zeros(EAGER_BYTES + 1, np.uint8))
+    with pytest.raises(TransportError, match=rf"link 0->1: a control message of {MAX_CONTROL + 1} bytes"):
+        a.send_control(bytes(MAX_CONTROL + 1))
+    a.send_eager(3, 0, np.ones(8, np.uint8))  # the link still works
+    assert bytes(await asyncio.wait_for(b.eager(3), 10)) == bytes(8 * [1])
 
 
 async def test_eager_fail_wakes_the_waiter(pair: LocalLinks) -> None:

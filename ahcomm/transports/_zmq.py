@@ -416,9 +416,7 @@ class ZmqLink(Link):
         if self._error is not None:
             raise self._error
         nbytes = 0 if data is None else data.nbytes
-        if nbytes > EAGER_BYTES:
-            raise TransportError(f"link {self.rank}->{self.peer}: an eager message of {nbytes} bytes "
-                                 f"(at most {EAGER_BYTES})")
+        self._check_size("an eager message", nbytes, EAGER_BYTES)
         header = HEADER.pack(MSG_EAGER, 0, 0, nbytes, seq, fingerprint, self.domain)
         try:
             if data is None or not nbytes:
@@ -431,9 +429,7 @@ class ZmqLink(Link):
         self.bytes_sent += nbytes
 
     def send_control(self, payload: bytes) -> None:
-        if len(payload) > MAX_CONTROL:
-            raise TransportError(f"link {self.rank}->{self.peer}: control message of {len(payload)} bytes "
-                                 f"(at most {MAX_CONTROL})")
+        self._check_size("a control message", len(payload), MAX_CONTROL)
         self._send(MSG_CONTROL, 0, 0, 0, len(payload), 0, payload)
 
     def send_progress(self, seq: int) -> None:

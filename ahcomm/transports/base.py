@@ -270,6 +270,12 @@ class Link(ABC):
         """Send a small control message (at most ``MAX_CONTROL`` bytes) to the peer's
         ``LinkEvents.on_control``: status queries, call descriptions, heartbeats of the layers above."""
 
+    def _check_size(self, what: str, nbytes: int, limit: int) -> None:
+        """``TransportError`` for an outgoing ``what`` of more than ``limit`` bytes (every transport
+        refuses alike)."""
+        if nbytes > limit:
+            raise TransportError(f"link {self.rank}->{self.peer}: {what} of {nbytes} bytes (at most {limit})")
+
     def control(self, payload: bytes) -> None:
         """Called by the transport when the peer sent a control message."""
         if self.events is not None:

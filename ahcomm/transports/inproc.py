@@ -78,8 +78,7 @@ class InprocLink(MappedAccess, Link):
 
     def send_control(self, payload: bytes) -> None:
         assert self.twin is not None
-        if len(payload) > MAX_CONTROL:
-            raise ValueError(f"control message of {len(payload)} bytes (at most {MAX_CONTROL})")
+        self._check_size("a control message", len(payload), MAX_CONTROL)
         self.twin.control(bytes(payload))
 
     def read(self, dst: np.ndarray, addr: int, run: MemoryRunner) -> "Awaitable[Any] | None":
@@ -103,8 +102,7 @@ class InprocLink(MappedAccess, Link):
         if self._error is not None:
             raise self._error
         payload = b"" if data is None else as_bytes(data).tobytes()  # the sender may reuse data at once
-        if len(payload) > EAGER_BYTES:
-            raise ValueError(f"eager message of {len(payload)} bytes (at most {EAGER_BYTES})")
+        self._check_size("an eager message", len(payload), EAGER_BYTES)
         self.bytes_sent += len(payload)
         self.twin.deliver_eager(seq, fingerprint, payload)
 

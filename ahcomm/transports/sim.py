@@ -130,8 +130,7 @@ class SimLink(Link):
         return net.loop.delay(end)
 
     def send_control(self, payload: bytes) -> None:
-        if len(payload) > MAX_CONTROL:
-            raise ValueError(f"control message of {len(payload)} bytes (at most {MAX_CONTROL})")
+        self._check_size("a control message", len(payload), MAX_CONTROL)
         assert self.twin is not None
         self.twin.control(bytes(payload))
 
