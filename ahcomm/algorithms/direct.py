@@ -47,9 +47,10 @@ from .cost import CostModel, Work
 from .oneshot import STEP, OneShot
 
 OPS = frozenset({"broadcast", "all_gather"})
-# One copy's bytes at most (a failed peer is noticed between chunks): every rank's rows are copied
-# chunk by chunk in the same order (``_chunk_ops``). Measured, two processes, np=2 all_gather of
-# 32 MiB blocks: 256 KiB 8.6 ms, 512 KiB 7.6-7.7, 1 MiB 7.8-8.0, 2 MiB 7.9-8.3, rows whole 9.0-9.3.
+# One copy's bytes at most where a run has several moves (all_gather: the local copy and a write to
+# each peer, interleaved chunk by chunk: ``_chunks``; a failed peer is noticed between chunks).
+# Measured, two processes, np=2, 32 MiB blocks, copy then writes: 256 KiB 8.3-8.6 ms, 512 KiB
+# 7.7, 1 MiB 8.0-8.3, 2 MiB 8.3; rows whole 9.0-9.3 (results/2026-11-25-bw3.md).
 CHUNK_BYTES = 512 << 10
 # A lone move (a broadcast reader's read, a root's copy) has nothing to interleave: it goes in
 # slices of at most this, split among the lanes. Measured at 64 MiB, np=2, load 1-2: slices of
@@ -62,7 +63,7 @@ MIN_SLICE = 512 << 10  # a lone move is not cut below this to feed a second thre
 # 2 MiB inline 410-533 vs two threads 660-1294 (one thread 935), 4 MiB 567 vs 968 (one: 526),
 # 8 MiB 1050 vs 1262; 16 MiB threads ahead (1241 vs 1404), 64 MiB too (5479 vs 6699); all_gather
 # 2 MiB 162 vs 511, np=4 1591 vs 2989 (results/2026-11-25-bw2.md).
-INLINE_BYTES = int(os.environ.get("XI", 16 << 20))
+INLINE_BYTES = 16 << 20
 # Per-rank bytes up to which the selector leaves an op to the others (oneshot's slots): a 2 MiB
 # copy through the kernel (4 KiB pages) takes 160-210 us, two in-cache copies through 1 MiB slots
 # far less. Measured (np=2, blocks interleaved in one job, load 2.5, us/call, oneshot / direct /
@@ -191,7 +192,7 @@ class Direct(Algorithm):
             for p in ((r + k) % n for k in range(1, n)):
                 moves.append(_writing(ctx.links[p], src, int(box.payload(p, tick).view(np.int64)[r])))
         await _copy_all(moves, threads(call, ctx.topo), oversubscribed(ctx.topo))
-        tick, _ = box.publish(call.seq, ctx.fingerprint)  # done reading: the owners may go on (nothing loose)
+        tick, _ = box.publish(call.seq, ctx.fingerprint)  # done copying: the owners may go on (nothing loose)
         # A broadcast's root waits here for the whole read: sleeping at once keeps its spin for short waits
         await sync.arrivals(ctx, tick, may_spin=call.op != "broadcast" or r != root)
 
@@ -233,11 +234,10 @@ def _writing(link: DataLink, src: np.ndarray, addr: int) -> Move:
 
 def _chunks(moves: list[Move], chunk: int) -> list[list[Callable[[], Any]]]:
     """The copies of a run, chunk by chunk: chunk ``k`` is every move's ``k``-th piece, in the
-    moves' order. A source is copied from while its chunk is in this core's cache (all_gather:
-    the local copy, then the writes to every peer - measured, np=4 on 2 cores, 64 MiB: 13-14 ms
-    vs 16.7 reading the peers' blocks chunk by chunk), or, for reads, while its owner's copy
-    or another reader's read of it is (np=2, 64 MiB all_gather: 7.6 ms in 512 KiB chunks vs
-    9.0 row by row)."""
+    moves' order, so that a source's chunk is copied from while it is in this core's cache
+    (all_gather: the local copy, then the writes to every peer). Measured, np=4 on 2 cores, 64 MiB
+    all_gather: 12.9-16.1 ms, against 16.6-18.0 reading the peers' blocks chunk by chunk; np=2,
+    32 MiB blocks: 7.7 ms in chunks, 9.0 rows whole (results/2026-11-25-bw3.md)."""
     chunks = []
     for lo in range(0, max((nbytes for nbytes, _ in moves), default=0), chunk):
         later = _Later()
