@@ -55,7 +55,7 @@ def read(pid: int, dst: np.ndarray, addr: int) -> None:
     _move(_readv, "process_vm_readv", pid, dst.ctypes.data, addr, dst.nbytes)
 
 
-def write(pid: int, addr: int, src: np.ndarray) -> None:
+def write(pid: int, src: np.ndarray, addr: int) -> None:
     """Copy ``src`` (contiguous) to ``addr`` in process ``pid``."""
     _move(_writev, "process_vm_writev", pid, src.ctypes.data, addr, src.nbytes)
 

@@ -8,7 +8,7 @@ buffer and a mesh algorithm can read or reduce straight out of it.
 from __future__ import annotations
 
 import errno
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import numpy as np
@@ -74,26 +74,18 @@ class SdmaLink(MappedAccess, ZmqLink):
 
     def read(self, dst: np.ndarray, addr: int, run: MemoryRunner) -> "Awaitable[Any] | None":
         self.bytes_received += dst.nbytes
-        return run(self._read, dst, addr)
-
-    def _read(self, dst: np.ndarray, addr: int) -> None:
-        try:
-            _cma.read(self.pid, dst, addr)
-            return
-        except OSError as exc:
-            failure = self._copy_error(exc, "reading")
-        raise failure  # outside the handler: a lost peer's error carries no OSError context
+        return run(self._move, _cma.read, "reading", dst, addr)
 
     def write(self, src: np.ndarray, addr: int, run: MemoryRunner) -> "Awaitable[Any] | None":
         self.bytes_sent += src.nbytes
-        return run(self._write, src, addr)
+        return run(self._move, _cma.write, "writing", src, addr)
 
-    def _write(self, src: np.ndarray, addr: int) -> None:
+    def _move(self, move: Callable[[int, np.ndarray, int], None], doing: str, array: np.ndarray, addr: int) -> None:
         try:
-            _cma.write(self.pid, addr, src)
+            move(self.pid, array, addr)
             return
         except OSError as exc:
-            failure = self._copy_error(exc, "writing")
+            failure = self._copy_error(exc, doing)
         raise failure  # outside the handler: a lost peer's error carries no OSError context
 
     def _copy_error(self, exc: OSError, doing: str) -> Exception:
