@@ -364,6 +364,38 @@ def local_rates() -> tuple[float, float, float]:
     return best_add / c.nbytes, best_copy / c.nbytes, asyncio.run(handoffs())
 
 
+def shared_copy_rate(cores: int, passes: int = 7) -> float:
+    """Seconds per byte that each of ``cores`` threads copies while all copy at once (numpy
+    releases the GIL: ranks of one server copying together share its memory bandwidth), the
+    best of ``passes`` (noise only adds); each pass is timed from a common start to the last
+    thread's end."""
+    import threading
+
+    cores = max(1, cores)
+    arrays = [(np.ones(8 << 20, np.float32), np.empty(8 << 20, np.float32)) for _ in range(cores)]
+    start = threading.Barrier(cores + 1)
+    done = threading.Barrier(cores + 1)
+
+    def copier(src: np.ndarray, dst: np.ndarray) -> None:
+        for _ in range(passes):
+            start.wait()
+            np.copyto(dst, src)
+            done.wait()
+
+    threads = [threading.Thread(target=copier, args=pair, daemon=True) for pair in arrays]
+    for t in threads:
+        t.start()
+    best = math.inf
+    for _ in range(passes):
+        start.wait()
+        t0 = time.perf_counter()
+        done.wait()
+        best = min(best, time.perf_counter() - t0)
+    for t in threads:
+        t.join()
+    return best / arrays[0][1].nbytes
+
+
 def fit_link(kind: str, points: list[dict[str, Any]], model: CostModel, single_copy: bool) -> tuple[LinkCost, float]:
     """(LinkCost, latency scale) for ``kind`` from timed ``points``.
 
@@ -416,10 +448,12 @@ def calibrate() -> None:
     from .run import launch
 
     gamma, copy, engine = local_rates()
-    print(f"reduce: {1 / gamma / 1e9:.2f} GB/s, copy: {1 / copy / 1e9:.2f} GB/s, "
-          f"engine hand-off: {engine * 1e6:.0f} us")
-    model = dataclasses.replace(_cost.CostModel(), gamma=gamma, copy=copy, engine=engine)
-    links, scales, cores = dict(model.links), [], os.cpu_count() or 1
+    cores = os.cpu_count() or 1
+    shared = shared_copy_rate(cores)
+    print(f"reduce: {1 / gamma / 1e9:.2f} GB/s, copy: {1 / copy / 1e9:.2f} GB/s "
+          f"({1 / shared / 1e9:.2f} GB/s each with {cores} copying at once), engine hand-off: {engine * 1e6:.0f} us")
+    model = dataclasses.replace(_cost.CostModel(), gamma=gamma, copy=copy, engine=engine, copy_shared=shared)
+    links, scales = dict(model.links), []
     with tempfile.TemporaryDirectory() as tmp:
         for kind in ("sdma", "rdma"):
             out = os.path.join(tmp, f"{kind}.json")

@@ -52,16 +52,47 @@ class SimNetwork:
     cores: int = 0  # CPUs per server shared by its ranks' copies, reductions, puts and posts (0: unlimited)
     task: float = 0.0  # CPU seconds per post (with cores)
     cpus: dict[int, list[float]] = field(default_factory=dict)  # server -> heap of its CPUs' busy-until
+    engine: float = 0.0  # seconds a memory task of engine_bytes or more waits for its copy engine's thread
+    engine_bytes: int = 1 << 62  # the executor's ENGINE_THRESHOLD (set with engine)
+    crowd: float = 1.0  # a copy's time when every core of its server copies at once / alone (>= 1)
+    copying: dict[int, list[float]] = field(default_factory=dict)  # server -> end times of its running copies
 
-    def cpu(self, rank: int, span: float) -> float:
-        """Run ``span`` seconds of work on one of ``rank``'s server's CPUs; when it ends."""
-        now = self.loop.now
+    def cpu(self, rank: int, span: float, start: float | None = None, memory: bool = False) -> float:
+        """Run ``span`` seconds of work on one of ``rank``'s server's CPUs, from ``start`` (None:
+        now) or once a CPU is free; when it ends. ``memory``: a copy or reduction, which shares the
+        server's memory bandwidth with the copies running on its other CPUs (``crowd``)."""
+        now = self.loop.now if start is None else start
         if self.cores <= 0:
             return now + span
-        free = self.cpus.setdefault(rank // self.ranks_per_server, [0.0] * self.cores)
-        end = max(now, heapq.heappop(free)) + span
+        server = rank // self.ranks_per_server
+        free = self.cpus.setdefault(server, [0.0] * self.cores)
+        begin = max(now, heapq.heappop(free))
+        if memory and self.crowd > 1.0:
+            span *= self.crowding(server, begin)
+        end = begin + span
         heapq.heappush(free, end)
+        if memory and self.crowd > 1.0:
+            self.copying[server].append(end)
         return end
+
+    def crowding(self, server: int, start: float) -> float:
+        """How much longer a copy starting at ``start`` takes than alone: ``crowd`` when every
+        other core of the server copies then, linear in how many do (charged for the whole
+        copy, as it starts: the copies running already keep their end)."""
+        running = [t for t in self.copying.get(server, ()) if t > start]
+        self.copying[server] = running
+        if self.cores <= 1:
+            return 1.0
+        return 1.0 + (self.crowd - 1.0) * min(len(running), self.cores - 1) / (self.cores - 1)
+
+    def memory(self, rank: int, nbytes: int, span: float) -> float:
+        """A memory task of ``nbytes`` taking ``span`` seconds of CPU on ``rank``'s stream: when it
+        ends. One of ``engine_bytes`` or more goes to the stream's copy-engine thread (as
+        ``Stream.memory`` does): half the hand-off before it starts, half (the wake-up) after."""
+        if nbytes < self.engine_bytes or self.engine <= 0:
+            return self.cpu(rank, span, memory=True)
+        half = self.engine / 2
+        return self.cpu(rank, span, self.loop.now + half, memory=True) + half
 
     def kind(self, a: int, b: int) -> str:
         return INTRA if a // self.ranks_per_server == b // self.ranks_per_server else INTER
@@ -123,8 +154,9 @@ class SimLink(Link):
             target = self._peer_buffers[0 if buf == "in" else 1]
             target[offset:offset + nbytes] = data
         end = net.transfer(self._out, self._in, self.kind, nbytes, self.beta)
-        if net.cores > 0:  # a copy into the peer's mapped memory by this rank's CPU
-            end = max(end, net.cpu(self.rank, nbytes * self.beta))
+        if net.cores > 0:  # sdma: a copy into the peer's mapped memory on this rank's copy engine; rdma: a send
+            span = nbytes * self.beta
+            end = max(end, net.memory(self.rank, nbytes, span) if self.kind == INTRA else net.cpu(self.rank, span))
         if end <= net.loop.now:
             return None
         return net.loop.delay(end)
