@@ -364,36 +364,35 @@ def local_rates() -> tuple[float, float, float]:
     return best_add / c.nbytes, best_copy / c.nbytes, asyncio.run(handoffs())
 
 
-def shared_copy_rate(cores: int, passes: int = 7) -> float:
+def shared_copy_rate(cores: int, passes: int = 5, copies: int = 6) -> float:
     """Seconds per byte that each of ``cores`` threads copies while all copy at once (numpy
-    releases the GIL: ranks of one server copying together share its memory bandwidth), the
-    best of ``passes`` (noise only adds); each pass is timed from a common start to the last
-    thread's end."""
+    releases the GIL: ranks of one server copying together share its memory bandwidth). Each
+    thread copies 32 MiB ``copies`` times back to back; a pass counts the bytes of all over the
+    time from the first start to the last end; the best of ``passes`` (noise only adds)."""
     import threading
+
+    def copier(src: np.ndarray, dst: np.ndarray, start: threading.Barrier, spans: list[tuple[float, float]]) -> None:
+        start.wait()
+        t0 = time.perf_counter()
+        for _ in range(copies):
+            np.copyto(dst, src)
+        spans.append((t0, time.perf_counter()))
 
     cores = max(1, cores)
     arrays = [(np.ones(8 << 20, np.float32), np.empty(8 << 20, np.float32)) for _ in range(cores)]
-    start = threading.Barrier(cores + 1)
-    done = threading.Barrier(cores + 1)
-
-    def copier(src: np.ndarray, dst: np.ndarray) -> None:
-        for _ in range(passes):
-            start.wait()
-            np.copyto(dst, src)
-            done.wait()
-
-    threads = [threading.Thread(target=copier, args=pair, daemon=True) for pair in arrays]
-    for t in threads:
-        t.start()
+    nbytes = arrays[0][1].nbytes
     best = math.inf
     for _ in range(passes):
-        start.wait()
-        t0 = time.perf_counter()
-        done.wait()
-        best = min(best, time.perf_counter() - t0)
-    for t in threads:
-        t.join()
-    return best / arrays[0][1].nbytes
+        spans: list[tuple[float, float]] = []
+        start = threading.Barrier(cores)
+        threads = [threading.Thread(target=copier, args=(*pair, start, spans), daemon=True) for pair in arrays]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        wall = max(e for _, e in spans) - min(s for s, _ in spans)
+        best = min(best, wall / (copies * nbytes))
+    return best
 
 
 def fit_link(kind: str, points: list[dict[str, Any]], model: CostModel, single_copy: bool) -> tuple[LinkCost, float]:

@@ -6,9 +6,11 @@ import json
 import os
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from ahcomm.algorithms.cost import LinkCost
 from ahcomm.sim import OPS, candidates, closed_form, main, reference_model, simulate
 from ahcomm.transports.sim import SimDeadlock, VirtualLoop
 
@@ -237,9 +239,9 @@ def test_selector_picks_the_simulated_best_at_8_bytes(n: int) -> None:
 
 
 def test_cpu_engine_handoff_per_big_memory_task() -> None:
-    """--cpu: a copy, reduction or sdma put of ENGINE_THRESHOLD bytes or more waits the model's
-    ``engine`` seconds for its copy engine's thread (as ``Stream.memory`` hands it over); smaller
-    ones run inline and pay nothing. Ring all_reduce at 2 ranks, 2 MiB, has 5 such tasks on its
+    """--cpu: a copy, reduction or sdma put of ENGINE_THRESHOLD bytes or more costs the model's
+    ``engine`` seconds of CPU for the hand-off to its copy engine's thread (as ``Stream.memory``
+    hands it over); smaller ones run inline and pay nothing. Ring all_reduce at 2 ranks, 2 MiB, has 5 such tasks on its
     critical path (the input copy, put, reduce, put, copy)."""
     base = replace(reference_model(), cores=2)
     slow = replace(base, engine=100e-6)
@@ -280,3 +282,29 @@ def test_model_copy_shared_round_trip_and_old_files() -> None:
     assert back.copy_shared == 0.2e-9 and back.crowd == pytest.approx(0.2 / 0.12)
     old = {k: v for k, v in model.to_dict().items() if k != "copy_shared"}
     assert CostModel.from_dict(old).crowd == 1.0
+
+
+def test_cpu_post_wakes_the_receiver_on_its_own_cores() -> None:
+    """--cpu: a post's ``task`` CPU work is half the sender's and half the receiver's (its event
+    loop waking up): a flag landing on a server whose cores are all busy is set only once one
+    is free, and a post to an idle one lands task / 2 + alpha + task / 2 after it was sent."""
+    from ahcomm.sim import World
+
+    model = replace(reference_model(), cores=1, task=100e-6, links={**reference_model().links,
+                                                                    "rdma": LinkCost(10e-6, 1e-10)})
+    for busy, want in ((0.0, 110e-6), (1e-3, 1e-3 + 50e-6)):
+        world = World(2, 1, model, check=False, contention=True, cpu=True)
+        link, twin = world.link(0, 1), world.link(1, 0)
+        if busy:
+            world.net.cpu(1, busy)  # rank 1's server: its one core busy for 1 ms
+
+        assert world.loop.run_sim(_post_and_wait(world, link, twin)) == pytest.approx(want)
+
+
+async def _post_and_wait(world: Any, link: Any, twin: Any) -> float:
+    """Post DATA on ``link``, wait for it on ``twin``: the virtual time it was set."""
+    from ahcomm.transports.base import Signal
+
+    link.post(Signal.DATA, 0, 0)
+    await twin.wait(Signal.DATA, 0, 0)
+    return float(world.loop.now)
