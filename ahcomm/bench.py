@@ -448,7 +448,7 @@ def calibrate() -> None:
 
     gamma, copy, engine = local_rates()
     cores = os.cpu_count() or 1
-    shared = shared_copy_rate(cores)
+    shared = copy * shared_copy_rate(cores) / shared_copy_rate(1)  # the ratio of like measurements
     print(f"reduce: {1 / gamma / 1e9:.2f} GB/s, copy: {1 / copy / 1e9:.2f} GB/s "
           f"({1 / shared / 1e9:.2f} GB/s each with {cores} copying at once), engine hand-off: {engine * 1e6:.0f} us")
     model = dataclasses.replace(_cost.CostModel(), gamma=gamma, copy=copy, engine=engine, copy_shared=shared)
