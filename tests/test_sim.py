@@ -308,3 +308,15 @@ async def _post_and_wait(world: Any, link: Any, twin: Any) -> float:
     link.post(Signal.DATA, 0, 0)
     await twin.wait(Signal.DATA, 0, 0)
     return float(world.loop.now)
+
+
+def test_calibrate_shared_copy_rate_counts_every_thread() -> None:
+    """``ahcomm-bench calibrate``'s shared copy rate: seconds per byte each of ``cores`` threads
+    copies at once, from their CPU time (a rate, not the time of one thread's bytes alone)."""
+    import math
+
+    from ahcomm.bench import shared_copy_rate
+
+    one, two = shared_copy_rate(1, passes=1, copies=1), shared_copy_rate(2, passes=1, copies=1)
+    for rate in (one, two):
+        assert math.isfinite(rate) and 1 / 1000e9 < rate < 1 / 0.1e9  # 0.1-1000 GB/s per thread
