@@ -364,6 +364,37 @@ def local_rates() -> tuple[float, float, float]:
     return best_add / c.nbytes, best_copy / c.nbytes, asyncio.run(handoffs())
 
 
+def shared_copy_rate(cores: int, passes: int = 5, copies: int = 6) -> float:
+    """Seconds per byte that each of ``cores`` threads copies while all copy at once (numpy
+    releases the GIL: ranks of one server copying together share its memory bandwidth). Each
+    thread copies 32 MiB ``copies`` times from a common start; a pass counts the threads' CPU
+    time (``thread_time``: time waiting for a core that another program holds does not count,
+    time stalled on memory does) over the bytes; the best of ``passes`` (noise only adds)."""
+    import threading
+
+    def copier(src: np.ndarray, dst: np.ndarray, start: threading.Barrier, spent: list[float]) -> None:
+        start.wait()
+        t0 = time.thread_time()
+        for _ in range(copies):
+            np.copyto(dst, src)
+        spent.append(time.thread_time() - t0)
+
+    cores = max(1, cores)
+    arrays = [(np.ones(8 << 20, np.float32), np.empty(8 << 20, np.float32)) for _ in range(cores)]
+    nbytes = arrays[0][1].nbytes
+    best = math.inf
+    for _ in range(passes):
+        spent: list[float] = []
+        start = threading.Barrier(cores)
+        threads = [threading.Thread(target=copier, args=(*pair, start, spent), daemon=True) for pair in arrays]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        best = min(best, sum(spent) / (cores * copies * nbytes))
+    return best
+
+
 def fit_link(kind: str, points: list[dict[str, Any]], model: CostModel, single_copy: bool) -> tuple[LinkCost, float]:
     """(LinkCost, latency scale) for ``kind`` from timed ``points``.
 
@@ -416,10 +447,12 @@ def calibrate() -> None:
     from .run import launch
 
     gamma, copy, engine = local_rates()
-    print(f"reduce: {1 / gamma / 1e9:.2f} GB/s, copy: {1 / copy / 1e9:.2f} GB/s, "
-          f"engine hand-off: {engine * 1e6:.0f} us")
-    model = dataclasses.replace(_cost.CostModel(), gamma=gamma, copy=copy, engine=engine)
-    links, scales, cores = dict(model.links), [], os.cpu_count() or 1
+    cores = os.cpu_count() or 1
+    shared = copy * shared_copy_rate(cores) / shared_copy_rate(1)  # the ratio of like measurements
+    print(f"reduce: {1 / gamma / 1e9:.2f} GB/s, copy: {1 / copy / 1e9:.2f} GB/s "
+          f"({1 / shared / 1e9:.2f} GB/s each with {cores} copying at once), engine hand-off: {engine * 1e6:.0f} us")
+    model = dataclasses.replace(_cost.CostModel(), gamma=gamma, copy=copy, engine=engine, copy_shared=shared)
+    links, scales = dict(model.links), []
     with tempfile.TemporaryDirectory() as tmp:
         for kind in ("sdma", "rdma"):
             out = os.path.join(tmp, f"{kind}.json")

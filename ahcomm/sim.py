@@ -28,7 +28,7 @@ import numpy as np
 from ._dtypes import ReduceOp
 from ._simform import closed_form
 from ._simstream import SimStream
-from ._stream import Stream
+from ._stream import ENGINE_THRESHOLD, Stream
 from .algorithms import REGISTRY, Algorithm, Call, CostModel, LinkCost, Topology
 from .algorithms._executor import Executor, Progress
 from .algorithms._selection import Selector
@@ -151,8 +151,11 @@ class World:
         self.n, self.k, self.model = n, k, model
         self.loop = VirtualLoop()  # type: ignore[abstract]
         params = {kind: LinkParams(c.alpha, c.beta) for kind, c in model.links.items()}
+        host = cpu and model.cores > 0  # this host's costs: shared cores, posts, engine hand-offs, memory bandwidth
         self.net = SimNetwork(self.loop, k, params, contention=contention, check=check,
-                              cores=model.cores if cpu else 0, task=model.task if cpu and model.cores else 0.0)
+                              cores=model.cores if cpu else 0, task=model.task if host else 0.0,
+                              engine=model.engine if host else 0.0, engine_bytes=ENGINE_THRESHOLD,
+                              crowd=model.crowd if host else 1.0)
         size = CHECK_BUFFSIZE if check else BUFFSIZE
         if check:
             self.buffers = [(np.zeros(size, np.uint8), np.zeros(size, np.uint8)) for _ in range(n)]
@@ -225,7 +228,7 @@ def _simulate_memory(stream: Stream, world: World, rank: int) -> None:
         span = nbytes * (model.gamma if isinstance(fn, np.ufunc) else model.copy)
         if span <= 0:
             return None
-        return net.loop.delay(net.cpu(rank, span))
+        return net.loop.delay(net.memory(rank, nbytes, span))
 
     stream.memory = memory  # type: ignore[method-assign]
     stream._sim = True  # type: ignore[attr-defined]

@@ -2,13 +2,14 @@
 vs measured (``ahcomm-bench``) ring all_reduce, all_gather and broadcast at 2 and 4 ranks,
 2 MiB and 64 MiB (issue 15's target: within 25%). Markdown on stdout, with the load average.
 
-    PYTHONPATH=. python benchmarks/sim_fidelity.py [--model calibration.json] [--json rows.json]
+    PYTHONPATH=. python benchmarks/sim_fidelity.py [--model calibration.json] [--json rows.json] [--repeat R]
 
 Without ``--model`` it calibrates first into a private file (``AHCOMM_TUNING_FILE``: the
 user's cached calibration is not touched). The same algorithm (ring, ``--algorithm``) runs
 in both, all ranks on one server (``sdma`` links). ``ahcomm-bench`` sizes count every block of
 all_gather; the simulator's count one rank's block. ``with --cpu``: the simulator's CPU pool
-(the model's cores per server shared by copies, reductions, puts; its per-notify cost per post).
+(the model's cores per server shared by copies, reductions, puts, engine hand-offs and each post's
+CPU work, half the sender's and half the receiver's; copies at once share the memory bandwidth).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -48,6 +50,8 @@ def main() -> None:
     p.add_argument("--algorithm", default="ring")
     p.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
     p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--repeat", type=int, default=1,
+                   help="ahcomm-bench runs per op and ranks: the median of their medians counts (spread shown)")
     p.add_argument("--json", default=None)
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as t:
@@ -60,18 +64,23 @@ def main() -> None:
                            stdout=sys.stderr)
         model = load_model(model_path)
         print(f"Model: {model.source}; sdma alpha {model.links['sdma'].alpha * 1e6:.1f} us, "
-              f"{1 / model.links['sdma'].beta / 1e9:.2f} GB/s; copy {1 / model.copy / 1e9:.2f} GB/s, "
-              f"reduce {1 / model.gamma / 1e9:.2f} GB/s\n")
-        print("| op | ranks | bytes | measured us (median) | predicted us | predicted/measured | with --cpu us "
+              f"{1 / model.links['sdma'].beta / 1e9:.2f} GB/s; copy {1 / model.copy / 1e9:.2f} GB/s "
+              f"(x{model.crowd:.2f} longer with every core copying), reduce {1 / model.gamma / 1e9:.2f} GB/s; "
+              f"notify {model.task * 1e6:.0f} us of CPU, engine hand-off {model.engine * 1e6:.0f} us; "
+              f"{model.cores} cores\n")
+        print("| op | ranks | bytes | measured us (median; runs' range) | predicted us | predicted/measured "
+              "| with --cpu us "
               "| predicted/measured | load |")
         print("|---|---|---|---|---|---|---|---|---|")
         rows = []
         for n in args.ranks:
             for op in OPS:
-                measured = measure(op, n, args.algorithm, args.iters, tmp, env)
+                runs = [measure(op, n, args.algorithm, args.iters, tmp, env) for _ in range(max(1, args.repeat))]
+                measured = {size: float(statistics.median(run[size] for run in runs)) for size in runs[0]}
                 for size in SIZES:
                     if size not in measured:
                         continue
+                    spread = [run[size] for run in runs]
                     per_rank = size // n if op == "all_gather" else size
                     r = simulate(op, n, n, per_rank, args.algorithm, model=model)
                     c = simulate(op, n, n, per_rank, args.algorithm, model=model, cpu=True)  # shared cores
@@ -79,9 +88,9 @@ def main() -> None:
                     load = _load()
                     rows.append({"op": op, "ranks": n, "bytes": size, "measured_us": measured[size],
                                  "predicted_us": r.time_us, "ratio": ratio, "predicted_cpu_us": c.time_us,
-                                 "ratio_cpu": cratio, "load": load})
-                    print(f"| {op} | {n} | {size} | {measured[size]:.0f} | {r.time_us:.0f} | {ratio:.2f} | "
-                          f"{c.time_us:.0f} | {cratio:.2f} | {load} |", flush=True)
+                                 "ratio_cpu": cratio, "load": load, "measured_runs_us": spread})
+                    print(f"| {op} | {n} | {size} | {measured[size]:.0f} ({min(spread):.0f}-{max(spread):.0f}) | "
+                          f"{r.time_us:.0f} | {ratio:.2f} | {c.time_us:.0f} | {cratio:.2f} | {load} |", flush=True)
         if args.json:
             Path(args.json).write_text(json.dumps({"model": model.to_dict(), "rows": rows}, indent=1))
 

@@ -6,9 +6,11 @@ import json
 import os
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from ahcomm.algorithms.cost import LinkCost
 from ahcomm.sim import OPS, candidates, closed_form, main, reference_model, simulate
 from ahcomm.transports.sim import SimDeadlock, VirtualLoop
 
@@ -234,3 +236,87 @@ def test_selector_picks_the_simulated_best_at_8_bytes(n: int) -> None:
         assert min(times, key=times.__getitem__) == "hier", times
     r = simulate("all_reduce", 16, 8, 64 << 10, "hier")
     assert r.posts == 16 * (4 * 7 + 2 * 2), r.posts
+
+
+def test_cpu_engine_handoff_per_big_memory_task() -> None:
+    """--cpu: a copy, reduction or sdma put of ENGINE_THRESHOLD bytes or more costs the model's
+    ``engine`` seconds of CPU for the hand-off to its copy engine's thread (as ``Stream.memory``
+    hands it over); smaller ones run inline and pay nothing. Ring all_reduce at 2 ranks, 2 MiB, has 5 such tasks on its
+    critical path (the input copy, put, reduce, put, copy)."""
+    base = replace(reference_model(), cores=2)
+    slow = replace(base, engine=100e-6)
+    big = [simulate("all_reduce", 2, 2, 2 << 20, "ring", model=m, cpu=True).time_us for m in (base, slow)]
+    assert big[1] - big[0] >= 5 * 100 * 0.99
+    small = [simulate("all_reduce", 2, 2, 64 << 10, "ring", model=m, cpu=True).time_us for m in (base, slow)]
+    assert small[1] == pytest.approx(small[0])
+    plain = [simulate("all_reduce", 2, 2, 2 << 20, "ring", model=m).time_us for m in (base, slow)]
+    assert plain[1] == pytest.approx(plain[0])  # without --cpu: no host costs
+
+
+def test_cpu_memory_bandwidth_shared_by_a_servers_copies() -> None:
+    """--cpu: copies on one server at once share its memory bandwidth: with every core copying,
+    each takes ``crowd`` (copy_shared / copy) times longer; a copy alone takes ``copy``."""
+    from ahcomm.transports.sim import LinkParams, SimNetwork
+
+    net = SimNetwork(VirtualLoop(), 2, {"sdma": LinkParams(0.0, 0.0)}, cores=2, crowd=1.5)  # type: ignore[abstract]
+    assert net.cpu(0, 1.0, memory=True) == 1.0  # alone
+    assert net.cpu(1, 1.0, memory=True) == 1.5  # with the other core copying
+    assert net.cpu(2, 1.0, memory=True) == 1.0  # the next server's cores are its own
+    assert net.cpu(0, 1.0, 1.5, memory=True) == 2.5  # the first copies are done: alone again
+    base = replace(reference_model(), cores=2, copy=1e-10, gamma=1e-10)
+    crowded = replace(base, copy_shared=2e-10)
+    assert crowded.crowd == 2.0 and base.crowd == 1.0
+    times = [simulate("all_gather", 2, 2, 16 << 20, "ring", model=m, cpu=True).time_us for m in (base, crowded)]
+    assert times[1] > 1.3 * times[0]
+    one = [simulate("broadcast", 2, 1, 16 << 20, "ring", model=m, cpu=True).time_us for m in (base, crowded)]
+    assert one[1] == pytest.approx(one[0])  # one rank per server: nothing to share
+
+
+def test_model_copy_shared_round_trip_and_old_files() -> None:
+    """``copy_shared`` (``ahcomm-bench calibrate``'s rate with every core copying) is saved with the
+    model; a calibration written before it existed loads with crowd 1 (not measured)."""
+    from ahcomm.algorithms.cost import CostModel
+
+    model = replace(CostModel(), copy_shared=0.2e-9, cores=2)
+    back = CostModel.from_dict(json.loads(json.dumps(model.to_dict())))
+    assert back.copy_shared == 0.2e-9 and back.crowd == pytest.approx(0.2 / 0.12)
+    old = {k: v for k, v in model.to_dict().items() if k != "copy_shared"}
+    assert CostModel.from_dict(old).crowd == 1.0
+
+
+def test_cpu_post_wakes_the_receiver_on_its_own_cores() -> None:
+    """--cpu: a post's ``task`` CPU work is half the sender's and half the receiver's (its event
+    loop waking up): a flag landing on a server whose cores are all busy is set only once one
+    is free, and a post to an idle one lands task / 2 + alpha + task / 2 after it was sent."""
+    from ahcomm.sim import World
+
+    model = replace(reference_model(), cores=1, task=100e-6, links={**reference_model().links,
+                                                                    "rdma": LinkCost(10e-6, 1e-10)})
+    for busy, want in ((0.0, 110e-6), (1e-3, 1e-3 + 50e-6)):
+        world = World(2, 1, model, check=False, contention=True, cpu=True)
+        link, twin = world.link(0, 1), world.link(1, 0)
+        if busy:
+            world.net.cpu(1, busy)  # rank 1's server: its one core busy for 1 ms
+
+        assert world.loop.run_sim(_post_and_wait(world, link, twin)) == pytest.approx(want)
+
+
+async def _post_and_wait(world: Any, link: Any, twin: Any) -> float:
+    """Post DATA on ``link``, wait for it on ``twin``: the virtual time it was set."""
+    from ahcomm.transports.base import Signal
+
+    link.post(Signal.DATA, 0, 0)
+    await twin.wait(Signal.DATA, 0, 0)
+    return float(world.loop.now)
+
+
+def test_calibrate_shared_copy_rate_counts_every_thread() -> None:
+    """``ahcomm-bench calibrate``'s shared copy rate: seconds per byte each of ``cores`` threads
+    copies at once, from their CPU time (a rate, not the time of one thread's bytes alone)."""
+    import math
+
+    from ahcomm.bench import shared_copy_rate
+
+    one, two = shared_copy_rate(1, passes=1, copies=1), shared_copy_rate(2, passes=1, copies=1)
+    for rate in (one, two):
+        assert math.isfinite(rate) and 1 / 1000e9 < rate < 1 / 0.1e9  # 0.1-1000 GB/s per thread

@@ -75,6 +75,13 @@ class CostModel:
     engine: float = 150e-6  # seconds per memory task handed to a copy engine (thread hand-off, wake-up)
     cores: int = 0  # CPU cores of the host (rank 0's, see ``load``); 0: unknown, oversubscription not modelled
     source: str = "defaults"
+    copy_shared: float = 0.0  # seconds per byte copied by each core while every core copies (0: as ``copy``)
+
+    @property
+    def crowd(self) -> float:
+        """How much longer a copy takes while every core copies than alone (>= 1; 1: not measured).
+        The selector leaves it out; ``ahcomm-sim --cpu`` shares a server's memory bandwidth by it."""
+        return max(1.0, self.copy_shared / self.copy) if self.copy_shared > 0 and self.copy > 0 else 1.0
 
     def link(self, topo: Topology) -> LinkCost:
         """The slowest link kind among ``topo``'s links (what a flat algorithm is bound by)."""
@@ -115,7 +122,7 @@ class CostModel:
     def to_dict(self) -> dict[str, Any]:
         return {"version": MODEL_VERSION, "links": {k: asdict(v) for k, v in self.links.items()},
                 "gamma": self.gamma, "copy": self.copy, "task": self.task, "engine": self.engine, "cores": self.cores,
-                "source": self.source}
+                "copy_shared": self.copy_shared, "source": self.source}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "CostModel":
@@ -131,7 +138,8 @@ class CostModel:
         return cls(links=links, gamma=float(data.get("gamma", default.gamma)),
                    copy=float(data.get("copy", default.copy)), task=float(data.get("task", default.task)),
                    engine=float(data.get("engine", default.engine)),
-                   cores=cores, source=str(data.get("source", "file")))
+                   cores=cores, source=str(data.get("source", "file")),
+                   copy_shared=float(data.get("copy_shared", 0.0)))  # absent in older files: not measured
 
 
 def cache_path() -> Path:

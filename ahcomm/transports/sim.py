@@ -52,16 +52,49 @@ class SimNetwork:
     cores: int = 0  # CPUs per server shared by its ranks' copies, reductions, puts and posts (0: unlimited)
     task: float = 0.0  # CPU seconds per post (with cores)
     cpus: dict[int, list[float]] = field(default_factory=dict)  # server -> heap of its CPUs' busy-until
+    engine: float = 0.0  # seconds a memory task of engine_bytes or more waits for its copy engine's thread
+    engine_bytes: int = 1 << 62  # the executor's ENGINE_THRESHOLD (set with engine)
+    crowd: float = 1.0  # a copy's time when every core of its server copies at once / alone (>= 1)
+    copying: dict[int, list[float]] = field(default_factory=dict)  # server -> end times of its running copies
 
-    def cpu(self, rank: int, span: float) -> float:
-        """Run ``span`` seconds of work on one of ``rank``'s server's CPUs; when it ends."""
-        now = self.loop.now
+    def cpu(self, rank: int, span: float, start: float | None = None, memory: bool = False,
+            fixed: float = 0.0) -> float:
+        """Run ``fixed + span`` seconds of work on one of ``rank``'s server's CPUs, from ``start``
+        (None: now) or once a CPU is free; when it ends. ``memory``: ``span`` is a copy or
+        reduction, which shares the server's memory bandwidth with the copies running on its
+        other CPUs (``crowd``); ``fixed`` is not (a copy engine's hand-off)."""
+        now = self.loop.now if start is None else start
         if self.cores <= 0:
-            return now + span
-        free = self.cpus.setdefault(rank // self.ranks_per_server, [0.0] * self.cores)
-        end = max(now, heapq.heappop(free)) + span
+            return now + fixed + span
+        server = rank // self.ranks_per_server
+        free = self.cpus.setdefault(server, [0.0] * self.cores)
+        begin = max(now, heapq.heappop(free))
+        if memory and self.crowd > 1.0:
+            span *= self.crowding(server, begin + fixed)
+        end = begin + fixed + span
         heapq.heappush(free, end)
+        if memory and self.crowd > 1.0:
+            self.copying[server].append(end)
         return end
+
+    def crowding(self, server: int, start: float) -> float:
+        """How much longer a copy starting at ``start`` takes than alone: ``crowd`` when every
+        other core of the server copies then, linear in how many do (charged for the whole
+        copy, as it starts: the copies running already keep their end)."""
+        running = [t for t in self.copying.get(server, ()) if t > start]
+        self.copying[server] = running
+        if self.cores <= 1:
+            return 1.0
+        return 1.0 + (self.crowd - 1.0) * min(len(running), self.cores - 1) / (self.cores - 1)
+
+    def memory(self, rank: int, nbytes: int, span: float) -> float:
+        """A memory task of ``nbytes`` taking ``span`` seconds of CPU on ``rank``'s stream: when it
+        ends. One of ``engine_bytes`` or more goes to the stream's copy-engine thread (as
+        ``Stream.memory`` does) and costs the hand-off too (``engine``: the thread's wake-up and
+        the event loop's, CPU work on the same server: where ranks outnumber cores it waits for
+        one like the copy)."""
+        fixed = self.engine if nbytes >= self.engine_bytes else 0.0
+        return self.cpu(rank, span, memory=True, fixed=fixed)
 
     def kind(self, a: int, b: int) -> str:
         return INTRA if a // self.ranks_per_server == b // self.ranks_per_server else INTER
@@ -105,14 +138,24 @@ class SimLink(Link):
         self.signals_sent += 1
         net = self.net
         net.posts += 1
-        sent = net.cpu(self.rank, net.task) if net.task else net.loop.now
-        when = sent + self.alpha
+        if net.task:  # half the post's CPU work here, half at the receiver when it lands (its wake-up)
+            sent = net.cpu(self.rank, net.task / 2)
+            net.loop.at(sent + self.alpha, self._land, signal, index, seq, value, fingerprint)
+            if sent > net.loop.now:  # the posting stream is busy for its half
+                return net.loop.settle_at(sent)  # type: ignore[return-value]
+            return
+        when = net.loop.now + self.alpha
         if value or twin.events is not None:  # a value, or a fingerprint to check: the full delivery
             net.loop.at(when, twin.deliver, signal, index, seq, value, fingerprint)
         else:  # the flag itself, found now: one call when it lands
             net.loop.at(when, twin.notify(signal, index, seq).post)
-        if sent > net.loop.now:  # the posting stream is busy for the post's CPU time
-            return net.loop.settle_at(sent)  # type: ignore[return-value]
+
+    def _land(self, signal: int, index: int, seq: int, value: int, fingerprint: int) -> None:
+        """A post reached the peer's server (with ``task``): the peer's event loop needs a CPU for
+        its half of the work (waking up, reading the signal) before the flag is set."""
+        twin, net = self.twin, self.net
+        assert twin is not None
+        net.loop.at(net.cpu(twin.rank, net.task / 2), twin.deliver, signal, index, seq, value, fingerprint)
 
     def put(self, src: np.ndarray, buf: str, offset: int, seq: int, run: MemoryRunner) -> "Awaitable[Any] | None":
         net = self.net
@@ -123,8 +166,9 @@ class SimLink(Link):
             target = self._peer_buffers[0 if buf == "in" else 1]
             target[offset:offset + nbytes] = data
         end = net.transfer(self._out, self._in, self.kind, nbytes, self.beta)
-        if net.cores > 0:  # a copy into the peer's mapped memory by this rank's CPU
-            end = max(end, net.cpu(self.rank, nbytes * self.beta))
+        if net.cores > 0:  # sdma: a copy into the peer's mapped memory on this rank's copy engine; rdma: a send
+            span = nbytes * self.beta
+            end = max(end, net.memory(self.rank, nbytes, span) if self.kind == INTRA else net.cpu(self.rank, span))
         if end <= net.loop.now:
             return None
         return net.loop.delay(end)
