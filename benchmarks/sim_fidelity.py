@@ -2,14 +2,17 @@
 vs measured (``ahcomm-bench``) ring all_reduce, all_gather and broadcast at 2 and 4 ranks,
 2 MiB and 64 MiB (issue 15's target: within 25%). Markdown on stdout, with the load average.
 
-    PYTHONPATH=. python benchmarks/sim_fidelity.py [--model calibration.json] [--json rows.json] [--repeat R]
+    PYTHONPATH=. python benchmarks/sim_fidelity.py [--model FILE] [--json FILE] [--repeat R] [--calibrate-each]
 
 Without ``--model`` it calibrates first into a private file (``AHCOMM_TUNING_FILE``: the
-user's cached calibration is not touched). The same algorithm (ring, ``--algorithm``) runs
-in both, all ranks on one server (``sdma`` links). ``ahcomm-bench`` sizes count every block of
-all_gather; the simulator's count one rank's block. ``with --cpu``: the simulator's CPU pool
-(the model's cores per server shared by copies, reductions, puts, engine hand-offs and each post's
-CPU work, half the sender's and half the receiver's; copies at once share the memory bandwidth).
+user's cached calibration is not touched); with ``--calibrate-each``, again right before each
+op's measurement at each rank count (this VM's copy and link rates drift by up to 2x within
+minutes: a model calibrated minutes before a measurement describes another moment). The same
+algorithm (ring, ``--algorithm``) runs in both, all ranks on one server (``sdma`` links).
+``ahcomm-bench`` sizes count every block of all_gather; the simulator's count one rank's block.
+``with --cpu``: the simulator's CPU pool (the model's cores per server shared by copies,
+reductions, puts, engine hand-offs and each post's CPU work, half the sender's and half the
+receiver's; copies at once share the memory bandwidth).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from ahcomm.algorithms import CostModel
 from ahcomm.sim import load_model, simulate
 
 OPS = ("all_reduce", "all_gather", "broadcast")
@@ -44,6 +48,18 @@ def measure(op: str, n: int, algorithm: str, iters: int, tmp: Path, env: dict[st
     return {int(r["size"]): float(r["median_us"]) for r in rows}
 
 
+def calibrate(env: dict[str, str]) -> None:
+    print(f"Calibrating (load {_load()})...", file=sys.stderr)
+    subprocess.run([sys.executable, "-m", "ahcomm.bench", "calibrate"], check=True, env=env, stdout=sys.stderr)
+
+
+def describe(model: CostModel) -> str:
+    return (f"sdma alpha {model.links['sdma'].alpha * 1e6:.1f} us, {1 / model.links['sdma'].beta / 1e9:.2f} GB/s; "
+            f"copy {1 / model.copy / 1e9:.2f} GB/s (x{model.crowd:.2f} longer with every core copying), "
+            f"reduce {1 / model.gamma / 1e9:.2f} GB/s; notify {model.task * 1e6:.0f} us of CPU, engine hand-off "
+            f"{model.engine * 1e6:.0f} us; {model.cores} cores")
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--model", default=None, help="a calibration JSON (default: calibrate now)")
@@ -52,22 +68,21 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--repeat", type=int, default=1,
                    help="ahcomm-bench runs per op and ranks: the median of their medians counts (spread shown)")
+    p.add_argument("--calibrate-each", action="store_true",
+                   help="calibrate again right before each op's measurement at each rank count")
     p.add_argument("--json", default=None)
     args = p.parse_args()
+    if args.calibrate_each and args.model:
+        p.error("--calibrate-each calibrates: it takes no --model")
     with tempfile.TemporaryDirectory() as t:
         tmp = Path(t)
         model_path = args.model or str(tmp / "calibration.json")
         env = {**os.environ, "AHCOMM_TUNING_FILE": model_path}
         if args.model is None:
-            print(f"Calibrating (load {_load()})...", file=sys.stderr)
-            subprocess.run([sys.executable, "-m", "ahcomm.bench", "calibrate"], check=True, env=env,
-                           stdout=sys.stderr)
+            calibrate(env)
         model = load_model(model_path)
-        print(f"Model: {model.source}; sdma alpha {model.links['sdma'].alpha * 1e6:.1f} us, "
-              f"{1 / model.links['sdma'].beta / 1e9:.2f} GB/s; copy {1 / model.copy / 1e9:.2f} GB/s "
-              f"(x{model.crowd:.2f} longer with every core copying), reduce {1 / model.gamma / 1e9:.2f} GB/s; "
-              f"notify {model.task * 1e6:.0f} us of CPU, engine hand-off {model.engine * 1e6:.0f} us; "
-              f"{model.cores} cores\n")
+        print(f"Model: {model.source}; {describe(model)}" + (" (the first; each op's below)" if args.calibrate_each
+                                                            else "") + "\n")
         print("| op | ranks | bytes | measured us (median; runs' range) | predicted us | predicted/measured "
               "| with --cpu us "
               "| predicted/measured | load |")
@@ -75,6 +90,9 @@ def main() -> None:
         rows = []
         for n in args.ranks:
             for op in OPS:
+                if args.calibrate_each and rows:
+                    calibrate(env)
+                    model = load_model(model_path)
                 runs = [measure(op, n, args.algorithm, args.iters, tmp, env) for _ in range(max(1, args.repeat))]
                 measured = {size: float(statistics.median(run[size] for run in runs)) for size in runs[0]}
                 for size in SIZES:
@@ -88,9 +106,12 @@ def main() -> None:
                     load = _load()
                     rows.append({"op": op, "ranks": n, "bytes": size, "measured_us": measured[size],
                                  "predicted_us": r.time_us, "ratio": ratio, "predicted_cpu_us": c.time_us,
-                                 "ratio_cpu": cratio, "load": load, "measured_runs_us": spread})
+                                 "ratio_cpu": cratio, "load": load, "measured_runs_us": spread,
+                                 "model": describe(model)})
                     print(f"| {op} | {n} | {size} | {measured[size]:.0f} ({min(spread):.0f}-{max(spread):.0f}) | "
                           f"{r.time_us:.0f} | {ratio:.2f} | {c.time_us:.0f} | {cratio:.2f} | {load} |", flush=True)
+                if args.calibrate_each:
+                    print(f"|  | model for {op} at {n} ranks: {describe(model)} |||||||", flush=True)
         if args.json:
             Path(args.json).write_text(json.dumps({"model": model.to_dict(), "rows": rows}, indent=1))
 
