@@ -2,8 +2,7 @@
 
 memcpy: one thread copying 64 MiB within a process (numpy.copyto, best of 5).
 cma: the kernel's single copy, process_vm_readv of another process's 64 MiB into ours
-(1 thread, and 2 threads each reading one half), and process_vm_writev of ours into its
-(1 thread: direct's all_gather writes), best of 5. The other process is started
+(1 thread, and 2 threads each reading one half), best of 5. The other process is started
 afresh and fills its own buffer, as a peer rank does (a forked child's pages are shared
 copy-on-write with ours, which measured 2-3x slower than ranks read each other).
 GB/s = 1e9 bytes/s.
@@ -55,7 +54,6 @@ def main() -> None:
     try:
         print(f"cma 1 thread:    {best(lambda: _cma.read(pid, dst, addr)):.2f} GB/s")
         print(f"cma 2 threads:   {best(two):.2f} GB/s")
-        print(f"cma write:       {best(lambda: _cma.write(pid, src, addr)):.2f} GB/s")
     finally:
         child.stdin.close()
         child.wait()

@@ -153,23 +153,6 @@ async def test_read_copies_the_peers_memory_where_single_copy(pair: LocalLinks) 
     np.testing.assert_array_equal(dst, src)
 
 
-async def test_write_copies_into_the_peers_memory_where_single_copy(pair: LocalLinks) -> None:
-    a, b = ends(pair)
-    src = np.arange(1000, dtype=np.uint32)
-    dst = np.zeros_like(src)  # "rank 1's output buffer"
-    if not a.single_copy:
-        with pytest.raises(NotImplementedError):
-            a.write(src.view(np.uint8), int(dst.ctypes.data), _run)
-        return
-    sent = a.stats()["bytes_sent"]
-    b.post(Signal.DATA, 2, 0, value=int(dst.ctypes.data))  # the owner posts the address
-    await settle(a, Signal.DATA, 2, 0)
-    a.write(src[10:].view(np.uint8), a.value(Signal.DATA, 2, 0) + 40, _run)
-    np.testing.assert_array_equal(dst[10:], src[10:])
-    assert not dst[:10].any()  # nothing before the address
-    assert a.stats()["bytes_sent"] - sent == src[10:].nbytes
-
-
 async def test_fail_wakes_waiters_and_later_waits_raise(pair: LocalLinks) -> None:
     _a, b = ends(pair)
     waiter = asyncio.ensure_future(b.wait(Signal.DATA, 0, 3))

@@ -317,6 +317,9 @@ def test_calibrate_shared_copy_rate_counts_every_thread() -> None:
 
     from ahcomm.bench import shared_copy_rate
 
-    one, two = shared_copy_rate(1, passes=1, copies=1), shared_copy_rate(2, passes=1, copies=1)
+    one, two = shared_copy_rate(1, passes=2, copies=2), shared_copy_rate(2, passes=2, copies=2)
     for rate in (one, two):
         assert math.isfinite(rate) and 1 / 1000e9 < rate < 1 / 0.1e9  # 0.1-1000 GB/s per thread
+    # two threads copying at once are each no faster than one alone (the wall time over every
+    # thread's bytes, taken as each thread's rate, would read twice too fast)
+    assert two >= 0.7 * one, (one, two)

@@ -4,8 +4,7 @@ Counted per rank, per byte of the result that rank receives from a peer (its own
 copied into its own output counts as the one local copy it is): ``owner`` copies are made
 by the rank the byte comes from (staging it in its CCL buffer or mailbox), ``reader``
 copies by the receiving rank (out of a mapped buffer, or through the kernel's single-copy
-read, ``process_vm_readv``, which is one copy); a single-copy write into the receiver's output
-(``process_vm_writev``) is one owner copy. One host, mapped (sdma/inproc) links; over
+read, ``process_vm_readv``, which is one copy). One host, mapped (sdma/inproc) links; over
 rdma every figure adds the wire. ``comm.explain(...).copies`` shows the entry for the
 algorithm a call would run.
 """
@@ -27,8 +26,7 @@ _TABLE: dict[tuple[str, str, bool], tuple[int, int, str]] = {
     ("oneshot", "broadcast", False): (1, 1, "root writes its mailbox slot, every peer copies it out"),
     ("oneshot", "all_reduce", False): (1, 1, "owner writes its slot, every rank reduces all slots"),
     ("oneshot", "reduce_scatter", False): (1, 1, "owner writes its slot, every rank reduces its block"),
-    ("direct", "all_gather", True): (1, 0, "the owner writes its user buffer into every peer's output "
-                                          "(process_vm_writev), chunk by chunk out of its cache; "
+    ("direct", "all_gather", True): (0, 1, "every peer reads the owner's user buffer (process_vm_readv); "
                                           "addresses and completion through the mailboxes"),
     ("direct", "broadcast", True): (0, 1, "every peer reads the root's user buffer (process_vm_readv); "
                                           "addresses and completion through the mailboxes"),

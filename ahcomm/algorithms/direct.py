@@ -1,31 +1,36 @@
-"""Direct (one host, single copy): ranks copy straight between user buffers.
+"""Direct (one host, single copy): every receiver reads the sender's user buffer itself.
 
-For broadcast and all_gather on one host, OpenMPI's CMA idea: each byte is copied once into
-each destination, straight between user buffers through the kernel (``DataLink.read`` /
-``DataLink.write``: ``process_vm_readv`` / ``process_vm_writev`` between processes, a
-memmove in one process). Nothing is staged in a CCL buffer or mailbox slot.
+For broadcast and all_gather on one host, OpenMPI's CMA idea: each byte is copied once,
+by the rank that receives it, straight out of the sender's user buffer into its own
+destination (``DataLink.read``: ``process_vm_readv`` between processes, a memmove in one
+process). Nothing is staged in a CCL buffer or mailbox slot.
 
 A run is two mailbox publications (``transports.mailbox``, as ``oneshot`` uses them):
 
-1. every rank publishes where the copies go or come from - broadcast: the root the address
-   of its input (the others a header); all_gather: every rank the addresses of its output's
-   rows - and waits until every peer's publication is there (the fingerprints checked);
-2. broadcast: each reader reads the root's vector, in slices on up to two threads where the
-   host's cores allow (ctypes releases the GIL). all_gather: each rank copies its own block
-   into its output and writes it into every peer's, chunk by chunk (``CHUNK_BYTES``: a chunk
-   is read from memory once and written ``n`` times from the cache); a rank's copies below
-   ``INLINE_BYTES`` (16 MiB) run inline on the event loop's thread;
+1. every rank publishes the address of its input (broadcast: the root only; the others a
+   header), and waits until every peer's publication is there (the fingerprints checked);
+2. each receiver reads what it needs. broadcast: the root's vector, in slices on up to two
+   threads where the host's cores allow (ctypes releases the GIL). all_gather: its own
+   block's local copy and every peer's block, interleaved chunk by chunk (``CHUNK_BYTES``),
+   every rank in the same order, so that a block's chunk is still in the cache when the
+   others read it; where the host's ranks outnumber its cores, the copy loop yields its core
+   after each chunk. A rank's copies below ``INLINE_BYTES`` (16 MiB) run inline on the event
+   loop's thread;
 3. every rank publishes "done" and waits for every peer's: no rank returns, and so reuses
-   or frees a buffer that peers read or write, before every copy has finished.
+   or frees the buffer its peers read, before every reader has finished.
 
-Where ranks cannot reach each other's memory (``Topology.single_copy`` false: the kernel's
+Only a rank itself writes into its output: a run that fails or is cancelled stops its own
+copies before it returns (reading peers' memory instead of writing it keeps a failed peer's
+late copies out of a buffer its owner may already reuse).
+
+Where a rank cannot read its peers' memory (``Topology.single_copy`` false: the kernel's
 ptrace policy, a container, ``AHCOMM_SINGLE_COPY=0``) the run falls back to ``oneshot``'s
 staged path in slot-sized slices; the selector does not pick direct there (no estimate),
 but a call that names it still runs. ``comm.stats()["paths"]`` counts which path ran
 (``direct.single_copy``, ``direct.staged``).
 
-A peer that dies fails the run: a copy to or from a dead process raises ``PeerFailure``, and
-the executor fails the mailbox wait of every other rank (as for oneshot).
+A peer that dies fails the run: a read of a dead process raises ``PeerFailure``, and the
+executor fails the mailbox wait of every other rank (as for oneshot).
 """
 
 from __future__ import annotations
@@ -47,10 +52,11 @@ from .cost import CostModel, Work
 from .oneshot import STEP, OneShot
 
 OPS = frozenset({"broadcast", "all_gather"})
-# One copy's bytes at most where a run has several moves (all_gather: the local copy and a write to
-# each peer, interleaved chunk by chunk: ``_chunks``; a failed peer is noticed between chunks).
-# Measured, two processes, np=2, 32 MiB blocks, copy then writes: 256 KiB 8.3-8.6 ms, 512 KiB
-# 7.7, 1 MiB 8.0-8.3, 2 MiB 8.3; rows whole 9.0-9.3 (results/2026-11-25-bw3.md).
+# One copy's bytes at most where a run has several moves (all_gather: the local copy and a read of
+# each peer's block, interleaved chunk by chunk: ``_chunks``; a failed peer is noticed between
+# chunks). Measured, two processes, np=2 all_gather of 32 MiB blocks, copy then read per chunk:
+# 512 KiB 7.58-8.39 ms, 1 MiB 7.84, 2 MiB 7.91, 4 MiB 8.16; rows whole 8.87-9.30
+# (results/2026-11-25-bw3.md).
 CHUNK_BYTES = 512 << 10
 # A lone move (a broadcast reader's read, a root's copy) has nothing to interleave: it goes in
 # slices of at most this, split among the lanes. Measured at 64 MiB, np=2, load 1-2: slices of
@@ -92,11 +98,6 @@ def _cores() -> int:
         return os.cpu_count() or 1
 
 
-def readers(call: Call, topo: Topology) -> int:
-    """Ranks of the host that read at once in ``call``."""
-    return topo.size - 1 if call.op == "broadcast" else topo.size
-
-
 def threads(call: Call, topo: Topology, cores: int = 0, most: int = 0) -> int:
     """Copy threads of one rank, up to ``max_threads()``. broadcast: as many as keep the host's
     copy threads within four times its cores (a thread waiting on its pages leaves the core to
@@ -109,7 +110,7 @@ def threads(call: Call, topo: Topology, cores: int = 0, most: int = 0) -> int:
     cores, most = cores or _cores(), most or max_threads()
     if call.op == "all_gather":
         return max(1, min(most, cores // max(1, topo.size)))
-    return max(1, min(most, 4 * cores // max(1, readers(call, topo))))
+    return max(1, min(most, 4 * cores // max(1, topo.size - 1)))  # broadcast: n - 1 readers
 
 
 def oversubscribed(topo: Topology) -> bool:
@@ -175,24 +176,23 @@ class Direct(Algorithm):
         call, n, r = ctx.call, ctx.size, ctx.rank
         src, dst = ctx.src, ctx.dst
         root = call.root
-        if call.op == "all_gather":  # every rank writes its block into every peer's row for it
-            mine: np.ndarray | None = np.array([row.ctypes.data for row in dst], np.int64)
-        else:  # every reader reads the root's vector
-            mine = None if r != root else _address(src)
+        mine = None if call.op == "broadcast" and r != root else _address(src)
         tick, _ = await sync.publish(ctx, mine)
         await sync.arrivals(ctx, tick)
+        # Only this rank writes into its output (reads of the peers' inputs): a call that fails or
+        # is cancelled stops its own copies before it returns, and nothing else writes there.
         moves: list[Move] = []
         local = (dst[r], src) if call.op == "all_gather" else (dst, src) if r == root else None
-        if local is not None and not np.shares_memory(*local):  # first: its chunks are then in cache for the writes
+        if local is not None and not np.shares_memory(*local):
             moves.append(_copying(*local))
         if call.op == "broadcast":
             if r != root:
                 moves.append(_reading(ctx.links[root], dst, int(box.payload(root, tick).view(np.int64)[0])))
         else:  # dst: (n, count), rows contiguous; peers in turn from the next rank on (not all at rank 0 first)
             for p in ((r + k) % n for k in range(1, n)):
-                moves.append(_writing(ctx.links[p], src, int(box.payload(p, tick).view(np.int64)[r])))
+                moves.append(_reading(ctx.links[p], dst[p], int(box.payload(p, tick).view(np.int64)[0])))
         await _copy_all(moves, threads(call, ctx.topo), oversubscribed(ctx.topo))
-        tick, _ = box.publish(call.seq, ctx.fingerprint)  # done copying: the owners may go on (nothing loose)
+        tick, _ = box.publish(call.seq, ctx.fingerprint)  # done reading: the owners may go on (nothing loose)
         # A broadcast's root waits here for the whole read: sleeping at once keeps its spin for short waits
         await sync.arrivals(ctx, tick, may_spin=call.op != "broadcast" or r != root)
 
@@ -224,20 +224,12 @@ def _reading(link: DataLink, dst: np.ndarray, addr: int) -> Move:
     return raw.nbytes, piece
 
 
-def _writing(link: DataLink, src: np.ndarray, addr: int) -> Move:
-    raw = src.reshape(-1).view(np.uint8)
-
-    def piece(lo: int, hi: int, later: _Later) -> None:
-        link.write(raw[lo:hi], addr + lo, later)
-    return raw.nbytes, piece
-
-
 def _chunks(moves: list[Move], chunk: int) -> list[list[Callable[[], Any]]]:
     """The copies of a run, chunk by chunk: chunk ``k`` is every move's ``k``-th piece, in the
-    moves' order, so that a source's chunk is copied from while it is in this core's cache
-    (all_gather: the local copy, then the writes to every peer). Measured, np=4 on 2 cores, 64 MiB
-    all_gather: 12.9-16.1 ms, against 16.6-18.0 reading the peers' blocks chunk by chunk; np=2,
-    32 MiB blocks: 7.7 ms in chunks, 9.0 rows whole (results/2026-11-25-bw3.md)."""
+    moves' order. Every rank walks its rows alike, so a block's chunk is read while its owner's
+    local copy (or another reader's read) of it is in the cache, and comes out of memory about
+    once (np=2, 32 MiB blocks: 7.6-8.4 ms in 512 KiB chunks, 8.9-9.3 rows whole;
+    results/2026-11-25-bw3.md)."""
     chunks = []
     for lo in range(0, max((nbytes for nbytes, _ in moves), default=0), chunk):
         later = _Later()
@@ -273,9 +265,13 @@ async def _copy_all(moves: list[Move], lanes: int, yields: bool) -> None:
     each chunk, 12-13.7 ms of wall for every rank, 15.2 ms a call (after every second chunk 20.4,
     every fourth 26.3)."""
     total = sum(nbytes for nbytes, _ in moves)
-    chunk = CHUNK_BYTES if len(moves) > 1 else max(MIN_SLICE, min(SLICE_BYTES, -(-total // lanes)))
+    inline = total < INLINE_BYTES
+    if len(moves) > 1:
+        chunk = CHUNK_BYTES
+    else:  # a lone move: one piece inline, else a slice per lane
+        chunk = max(1, total) if inline else max(MIN_SLICE, min(SLICE_BYTES, -(-total // lanes)))
     chunks = _chunks(moves, chunk)
-    if total < INLINE_BYTES:
+    if inline:
         _run(chunks, None, yields)
         return
     lanes = max(1, min(lanes, len(chunks)))
@@ -283,8 +279,11 @@ async def _copy_all(moves: list[Move], lanes: int, yields: bool) -> None:
     stop = threading.Event()
     spans = [chunks[i * len(chunks) // lanes:(i + 1) * len(chunks) // lanes] for i in range(lanes)]
     tasks: list[Future[Any]] = [pool.submit(_run, span, stop, yields) for span in spans]
+    lanes_done = [asyncio.wrap_future(task) for task in tasks]
+    for lane in lanes_done:  # a lane's error after another's is raised is still retrieved (no log)
+        lane.add_done_callback(lambda f: f.cancelled() or f.exception())
     try:
-        await asyncio.gather(*(asyncio.wrap_future(task) for task in tasks))
+        await asyncio.gather(*lanes_done)
     except BaseException:
         stop.set()  # lanes finish the chunk they are in and start no other
         wait(tasks)  # nothing writes into dst after we return

@@ -1,18 +1,15 @@
-"""Single-copy reads and writes of another process's memory (Linux cross-memory attach).
+"""Single-copy reads of another process's memory (Linux cross-memory attach).
 
-``process_vm_readv`` copies straight from a peer's address space into ours, and
-``process_vm_writev`` from ours into the peer's, the way an SDMA engine reads or writes a
-peer's memory: one copy instead of staging through shared memory. Both need the same
-ptrace-level permission over the peer (same user, no restrictive Yama policy; the kernel checks
-PTRACE_MODE_ATTACH_REALCREDS for either); ``probe`` finds out before anything relies on it.
-ctypes releases the GIL for the call.
+``process_vm_readv`` copies straight from a peer's address space into ours, the way an
+SDMA engine reads a peer's memory: one copy instead of staging through shared memory.
+It needs ptrace-level permission over the peer (same user, no restrictive Yama policy);
+``probe`` finds out before anything relies on it. ctypes releases the GIL for the call.
 """
 
 from __future__ import annotations
 
 import ctypes
 import os
-from typing import Any
 
 import numpy as np
 
@@ -22,42 +19,26 @@ class _IoVec(ctypes.Structure):
 
 
 _libc = ctypes.CDLL(None, use_errno=True)
-
-
-def _syscall(name: str) -> Any:
-    fn = getattr(_libc, name, None)
-    if fn is not None:
-        fn.argtypes = [ctypes.c_int, ctypes.POINTER(_IoVec), ctypes.c_ulong, ctypes.POINTER(_IoVec),
+_readv = getattr(_libc, "process_vm_readv", None)
+if _readv is not None:
+    _readv.argtypes = [ctypes.c_int, ctypes.POINTER(_IoVec), ctypes.c_ulong, ctypes.POINTER(_IoVec),
                        ctypes.c_ulong, ctypes.c_ulong]
-        fn.restype = ctypes.c_ssize_t
-    return fn
-
-
-_readv = _syscall("process_vm_readv")
-_writev = _syscall("process_vm_writev")
-
-
-def _move(fn: Any, name: str, pid: int, local: int, remote: int, total: int) -> None:
-    if fn is None:
-        raise OSError(f"{name} is not available")
-    done = 0
-    while done < total:  # the kernel may move less than asked (a partial transfer): go on from there
-        mine, theirs = _IoVec(local + done, total - done), _IoVec(remote + done, total - done)
-        got = fn(pid, ctypes.byref(mine), 1, ctypes.byref(theirs), 1, 0)
-        if got <= 0:
-            err = ctypes.get_errno()
-            raise OSError(err, f"{name} with pid {pid} failed: {os.strerror(err)}")
-        done += got
+    _readv.restype = ctypes.c_ssize_t
 
 
 def read(pid: int, dst: np.ndarray, addr: int) -> None:
     """Copy ``dst.nbytes`` bytes at ``addr`` in process ``pid`` into ``dst`` (contiguous)."""
-    _move(_readv, "process_vm_readv", pid, dst.ctypes.data, addr, dst.nbytes)
-
-
-def write(pid: int, src: np.ndarray, addr: int) -> None:
-    """Copy ``src`` (contiguous) to ``addr`` in process ``pid``."""
-    _move(_writev, "process_vm_writev", pid, src.ctypes.data, addr, src.nbytes)
+    if _readv is None:
+        raise OSError("process_vm_readv is not available")
+    done, total, base = 0, dst.nbytes, dst.ctypes.data
+    while done < total:
+        local = _IoVec(base + done, total - done)
+        remote = _IoVec(addr + done, total - done)
+        got = _readv(pid, ctypes.byref(local), 1, ctypes.byref(remote), 1, 0)
+        if got <= 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"process_vm_readv from pid {pid} failed: {os.strerror(err)}")
+        done += got
 
 
 def probe(pid: int, addr: int, nbytes: int = 64) -> bool:

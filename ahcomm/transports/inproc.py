@@ -34,10 +34,6 @@ def _memmove(dst: np.ndarray, addr: int) -> None:
     ctypes.memmove(dst.ctypes.data, addr, dst.nbytes)
 
 
-def _memmove_to(src: np.ndarray, addr: int) -> None:
-    ctypes.memmove(addr, src.ctypes.data, src.nbytes)
-
-
 class InprocLink(MappedAccess, Link):
     kind = "inproc"
     single_copy = True  # one address space: a read is a memmove
@@ -84,10 +80,6 @@ class InprocLink(MappedAccess, Link):
     def read(self, dst: np.ndarray, addr: int, run: MemoryRunner) -> "Awaitable[Any] | None":
         self.bytes_received += dst.nbytes
         return run(_memmove, dst, addr)
-
-    def write(self, src: np.ndarray, addr: int, run: MemoryRunner) -> "Awaitable[Any] | None":
-        self.bytes_sent += src.nbytes
-        return run(_memmove_to, src, addr)
 
     def send_message(self, key: MessageKey, meta: bytes, data: np.ndarray) -> "Awaitable[None] | None":
         assert self.twin is not None

@@ -8,7 +8,7 @@ buffer and a mesh algorithm can read or reduce straight out of it.
 from __future__ import annotations
 
 import errno
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable
 from typing import Any
 
 import numpy as np
@@ -74,30 +74,17 @@ class SdmaLink(MappedAccess, ZmqLink):
 
     def read(self, dst: np.ndarray, addr: int, run: MemoryRunner) -> "Awaitable[Any] | None":
         self.bytes_received += dst.nbytes
-        return run(self._move, _cma.read, "reading", dst, addr)
+        return run(self._read, dst, addr)
 
-    def write(self, src: np.ndarray, addr: int, run: MemoryRunner) -> "Awaitable[Any] | None":
-        self.bytes_sent += src.nbytes
-        return run(self._move, _cma.write, "writing", src, addr)
-
-    def _move(self, move: Callable[[int, np.ndarray, int], None], doing: str, array: np.ndarray, addr: int) -> None:
+    def _read(self, dst: np.ndarray, addr: int) -> None:
         try:
-            move(self.pid, array, addr)
-            return
-        except OSError as exc:
-            failure = self._copy_error(exc, doing)
-        raise failure  # outside the handler: a lost peer's error carries no OSError context
-
-    def _copy_error(self, exc: OSError, doing: str) -> Exception:
-        """The error for a failed single copy: the peer's process is gone (often noticed here
-        first), or its memory is not there."""
-        if exc.errno == errno.ESRCH:
-            return PeerFailure(f"rank {self.peer} is lost: its process (pid {self.pid}) is gone "
-                               f"(noticed by rank {self.rank} {doing} its memory)", rank=self.peer)
-        way = f"{self.peer}->{self.rank}" if doing == "reading" else f"{self.rank}->{self.peer}"
-        error = TransportError(f"sdma link {way}: {doing} rank {self.peer}'s memory failed: {exc}")
-        error.__cause__ = exc
-        return error
+            _cma.read(self.pid, dst, addr)
+        except OSError as exc:  # the peer's process is gone (often noticed here first), or its memory is
+            if exc.errno == errno.ESRCH:
+                raise PeerFailure(f"rank {self.peer} is lost: its process (pid {self.pid}) is gone "
+                                  f"(noticed by rank {self.rank} reading its memory)", rank=self.peer) from None
+            raise TransportError(f"sdma link {self.peer}->{self.rank}: reading rank {self.peer}'s memory "
+                                 f"failed: {exc}") from exc
 
     def on_data_message(self, kind: int, a: int, index: int, nbytes: int, seq: int, offset: int,
                         sock: zmq.Socket[Any]) -> None:
