@@ -9,6 +9,7 @@ and failures: a failing read, an abort while waiting, a peer SIGKILLed mid-call.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import os
 import re
 from pathlib import Path
@@ -186,6 +187,41 @@ async def test_a_failing_read_fails_every_rank(op: str, monkeypatch: pytest.Monk
                 for c in comms]
         results = await asyncio.wait_for(asyncio.gather(*futs, return_exceptions=True), 10)
         assert all(isinstance(r, (OSError, ahcomm.AhcommError)) for r in results), results
+    finally:
+        await asyncio.gather(*(c.close() for c in comms), return_exceptions=True)
+
+
+async def test_no_peer_writes_into_an_output_after_its_call_failed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rank 0's all_gather fails before it copies; the others copy after it has returned: its
+    output must stay as it was when its call raised (a user may reuse it at once, or it is freed).
+    Fails with ranks that write their blocks into the peers' outputs."""
+    rank: contextvars.ContextVar[int] = contextvars.ContextVar("rank")
+    real_orchestrate, real_copy_all = direct.Direct.orchestrate, direct._copy_all
+
+    async def orchestrate(self: direct.Direct, ctx: Any) -> None:
+        rank.set(ctx.rank)
+        await real_orchestrate(self, ctx)
+
+    async def copy_all(moves: Any, lanes: int, yields: bool) -> None:
+        if rank.get() == 0:
+            raise RuntimeError("rank 0 fails before it copies")
+        await asyncio.sleep(0.05)  # rank 0 has returned by now
+        await real_copy_all(moves, lanes, yields)
+
+    monkeypatch.setattr(direct.Direct, "orchestrate", orchestrate)
+    monkeypatch.setattr(direct, "_copy_all", copy_all)
+    comms = await ahcomm.init_inprocess(3)
+    try:
+        count = 1 << 16
+        outs = [np.full(3 * count, -1.0, np.float32) for _ in comms]
+        futs = [asyncio.ensure_future(c.all_gather(np.full(count, r, np.float32), out=outs[r], algorithm="direct"))
+                for r, c in enumerate(comms)]
+        with pytest.raises((RuntimeError, ahcomm.AhcommError)):
+            await asyncio.wait_for(futs[0], 10)
+        seen = outs[0].copy()
+        await asyncio.wait_for(asyncio.gather(*futs[1:], return_exceptions=True), 10)
+        await asyncio.sleep(0.1)
+        np.testing.assert_array_equal(outs[0], seen)
     finally:
         await asyncio.gather(*(c.close() for c in comms), return_exceptions=True)
 
