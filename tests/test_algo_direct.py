@@ -191,37 +191,41 @@ async def test_a_failing_read_fails_every_rank(op: str, monkeypatch: pytest.Monk
         await asyncio.gather(*(c.close() for c in comms), return_exceptions=True)
 
 
-async def test_no_peer_writes_into_an_output_after_its_call_failed(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Rank 0's all_gather fails before it copies; the others copy after it has returned: its
-    output must stay as it was when its call raised (a user may reuse it at once, or it is freed).
-    Fails with ranks that write their blocks into the peers' outputs."""
+@pytest.mark.parametrize("op", ["all_gather", "broadcast"])
+async def test_a_rank_copies_only_into_its_own_output(op: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every copy a rank makes lands in its own output: no peer writes there, so a call that
+    fails or is cancelled stops the only copies into its output before it returns (a peer that
+    wrote its block into the others' outputs could still be writing after an owner's failed call
+    had returned and its buffer was reused or freed). Fails where ranks write their blocks into
+    the peers' outputs."""
     rank: contextvars.ContextVar[int] = contextvars.ContextVar("rank")
-    real_orchestrate, real_copy_all = direct.Direct.orchestrate, direct._copy_all
+    real_orchestrate, real_later = direct.Direct.orchestrate, direct._Later.__call__
+    made: list[tuple[int, np.ndarray]] = []
 
     async def orchestrate(self: direct.Direct, ctx: Any) -> None:
         rank.set(ctx.rank)
         await real_orchestrate(self, ctx)
 
-    async def copy_all(moves: Any, lanes: int, yields: bool) -> None:
-        if rank.get() == 0:
-            raise RuntimeError("rank 0 fails before it copies")
-        await asyncio.sleep(0.05)  # rank 0 has returned by now
-        await real_copy_all(moves, lanes, yields)
+    def later(self: direct._Later, fn: Any, *args: Any, **kwargs: Any) -> None:
+        made.append((rank.get(), args[0]))  # a copy's destination (np.copyto, a link's read)
+        real_later(self, fn, *args, **kwargs)
 
     monkeypatch.setattr(direct.Direct, "orchestrate", orchestrate)
-    monkeypatch.setattr(direct, "_copy_all", copy_all)
+    monkeypatch.setattr(direct._Later, "__call__", later)
+    monkeypatch.setattr(direct, "CHUNK_BYTES", 64 << 10)
     comms = await ahcomm.init_inprocess(3)
     try:
         count = 1 << 16
-        outs = [np.full(3 * count, -1.0, np.float32) for _ in comms]
-        futs = [asyncio.ensure_future(c.all_gather(np.full(count, r, np.float32), out=outs[r], algorithm="direct"))
-                for r, c in enumerate(comms)]
-        with pytest.raises((RuntimeError, ahcomm.AhcommError)):
-            await asyncio.wait_for(futs[0], 10)
-        seen = outs[0].copy()
-        await asyncio.wait_for(asyncio.gather(*futs[1:], return_exceptions=True), 10)
-        await asyncio.sleep(0.1)
-        np.testing.assert_array_equal(outs[0], seen)
+        outs = [np.zeros(3 * count if op == "all_gather" else count, np.float32) for _ in comms]
+        xs = [np.full(count, r + 1, np.float32) for r in range(3)]
+        await asyncio.wait_for(asyncio.gather(*(
+            c.all_gather(xs[r], out=outs[r], algorithm="direct") if op == "all_gather"
+            else c.broadcast(xs[r], 0, out=outs[r], algorithm="direct") for r, c in enumerate(comms))), 10)
+        assert len(made) >= 3  # broadcast: one copy a rank; all_gather: chunks of three rows
+        for r, target in made:
+            assert isinstance(target, np.ndarray) and np.shares_memory(target, outs[r]), (r, target)
+        for out in outs:
+            np.testing.assert_array_equal(out, np.repeat([1, 2, 3], count) if op == "all_gather" else 1)
     finally:
         await asyncio.gather(*(c.close() for c in comms), return_exceptions=True)
 
