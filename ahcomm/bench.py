@@ -309,9 +309,8 @@ CALIBRATION_CASES = (
     ("rhd", "all_reduce", 8), ("mesh", "all_reduce", 8), ("mesh", "all_gather", 8),
 )
 # Each case is timed this often; the median of the tries counts. The fastest of 3 (as before)
-# let one lucky try set a point: six calibrations in a row fitted sdma at 4.6-12.6 GB/s; with the
-# median of 5, 6.0-8.9 GB/s (one calibration takes ~6 s). Fitting the latency scale and beta in
-# two stages instead of jointly: 5.0-10.6 GB/s (not kept).
+# let one lucky try set a point: ten calibrations in a row fitted sdma at 4.6-12.6 GB/s; six with
+# the median of 5, 6.0-8.9 GB/s (one calibration takes ~6 s); results/2026-11-25-sim-fidelity-4.md.
 CALIBRATION_REPEATS = 5
 
 
