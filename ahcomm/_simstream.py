@@ -81,18 +81,12 @@ class SimStream(Stream):
                 self._waiter = _Waiter(self)
                 notify._waiters.append(self._waiter)  # type: ignore[arg-type]
             return
-        try:
-            pending = fn()
-        except BaseException as exc:  # noqa: BLE001 - reported at synchronize()
-            self._failed(exc)
-            return
+        pending = self._call(fn)
         if pending is not None:
             self._await(pending)
 
     def _push(self, fn: TaskFn, marker: asyncio.Future[None] | None) -> None:
-        if self._closed:
-            raise RuntimeError(f"stream {self.name} is closed")
-        self._queue.append((fn, marker))
+        self._enqueue(fn, marker)
         if not self._busy and not self._scheduled:
             self._scheduled = True
             asyncio.get_running_loop().call_soon(self._pump)

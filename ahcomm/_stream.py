@@ -96,18 +96,26 @@ class Stream:
         if self._queue or self._busy or self._error is not None or self._closed:
             self._push(fn, None)
             return
-        try:
-            pending = fn()
-        except BaseException as exc:  # noqa: BLE001 - reported at synchronize()
-            self._failed(exc)
-            return
+        pending = self._call(fn)
         if pending is not None:
             self._push(_Started(pending), None)
 
-    def _push(self, fn: TaskFn, marker: asyncio.Future[None] | None) -> None:
+    def _call(self, fn: TaskFn) -> Any:
+        """Run ``fn`` now: the awaitable it returned, or None (done, or failed: the failure is
+        kept for ``synchronize()``)."""
+        try:
+            return fn()
+        except BaseException as exc:  # noqa: BLE001 - reported at synchronize()
+            self._failed(exc)
+            return None
+
+    def _enqueue(self, fn: TaskFn, marker: asyncio.Future[None] | None) -> None:
         if self._closed:
             raise RuntimeError(f"stream {self.name} is closed")
         self._queue.append((fn, marker))
+
+    def _push(self, fn: TaskFn, marker: asyncio.Future[None] | None) -> None:
+        self._enqueue(fn, marker)
         if self.inline:
             return
         if self._runner is None:

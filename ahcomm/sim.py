@@ -165,7 +165,6 @@ class World:
         self.hosts = tuple(f"s{r // k}" for r in range(n))
         self._links: dict[tuple[int, int], SimLink] = {}
         self._scratch = np.empty(0, np.uint8)
-        self.fast_streams = FAST_STREAMS
 
     def link(self, rank: int, peer: int) -> SimLink:
         if not 0 <= peer < self.n or peer == rank:
@@ -198,13 +197,13 @@ class World:
         ex._unmapped = []  # puts complete when their bytes left: nothing to flush
         if not self.net.check:  # one shared scratch, never written (the executor's is pre-faulted per rank)
             ex.scratch = self.scratch  # type: ignore[method-assign]
-        if self.fast_streams:  # streams run from callbacks, not tasks (ahcomm._simstream)
+        if FAST_STREAMS:  # streams run from callbacks, not tasks (ahcomm._simstream)
             ex.main = SimStream("main")
         _simulate_memory(ex.main, self, rank)
         make = ex._substreams
 
         def substreams(count: int) -> list[Stream]:
-            if self.fast_streams:
+            if FAST_STREAMS:
                 while len(ex.subs) < count:
                     ex.subs.append(SimStream(f"sub{len(ex.subs)}"))
             for stream in make(count):

@@ -262,7 +262,8 @@ def test_cpu_memory_bandwidth_shared_by_a_servers_copies() -> None:
     assert net.cpu(0, 1.0, memory=True) == 1.0  # alone
     assert net.cpu(1, 1.0, memory=True) == 1.5  # with the other core copying
     assert net.cpu(2, 1.0, memory=True) == 1.0  # the next server's cores are its own
-    assert net.cpu(0, 1.0, 1.5, memory=True) == 2.5  # the first copies are done: alone again
+    net.loop.now = 1.5  # the first copies are done: alone again
+    assert net.cpu(0, 1.0, memory=True) == 2.5
     base = replace(reference_model(), cores=2, copy=1e-10, gamma=1e-10)
     crowded = replace(base, copy_shared=2e-10)
     assert crowded.crowd == 2.0 and base.crowd == 1.0

@@ -57,13 +57,12 @@ class SimNetwork:
     crowd: float = 1.0  # a copy's time when every core of its server copies at once / alone (>= 1)
     copying: dict[int, list[float]] = field(default_factory=dict)  # server -> end times of its running copies
 
-    def cpu(self, rank: int, span: float, start: float | None = None, memory: bool = False,
-            fixed: float = 0.0) -> float:
-        """Run ``fixed + span`` seconds of work on one of ``rank``'s server's CPUs, from ``start``
-        (None: now) or once a CPU is free; when it ends. ``memory``: ``span`` is a copy or
-        reduction, which shares the server's memory bandwidth with the copies running on its
-        other CPUs (``crowd``); ``fixed`` is not (a copy engine's hand-off)."""
-        now = self.loop.now if start is None else start
+    def cpu(self, rank: int, span: float, memory: bool = False, fixed: float = 0.0) -> float:
+        """Run ``fixed + span`` seconds of work on one of ``rank``'s server's CPUs, from now or
+        once a CPU is free; when it ends. ``memory``: ``span`` is a copy or reduction, which
+        shares the server's memory bandwidth with the copies running on its other CPUs
+        (``crowd``); ``fixed`` is not (a copy engine's hand-off)."""
+        now = self.loop.now
         if self.cores <= 0:
             return now + fixed + span
         server = rank // self.ranks_per_server
@@ -142,7 +141,7 @@ class SimLink(Link):
             sent = net.cpu(self.rank, net.task / 2)
             net.loop.at(sent + self.alpha, self._land, signal, index, seq, value, fingerprint)
             if sent > net.loop.now:  # the posting stream is busy for its half
-                return net.loop.settle_at(sent)  # type: ignore[return-value]
+                return net.loop.delay(sent)  # type: ignore[return-value]
             return
         when = net.loop.now + self.alpha
         if value or twin.events is not None:  # a value, or a fingerprint to check: the full delivery
