@@ -20,7 +20,7 @@ from types import MethodType
 from typing import Any
 
 from ._notify import Notify
-from ._stream import Stream, TaskFn, _discard, _reached
+from ._stream import Stream, TaskFn
 from .transports._simloop import Delay
 
 _WAIT = Notify.wait_task
@@ -129,14 +129,8 @@ class SimStream(Stream):
         queue = self._queue
         while queue and not self._busy and not self._closed:
             fn, marker = queue.popleft()
-            if marker is not None:
-                _reached(marker, self._error)
-                self._error = None
-                continue
-            if self._error is not None:
-                _discard(fn)
-                continue
-            self._run_task(fn)
+            if not self._settled(fn, marker):
+                self._run_task(fn)
 
     async def close(self) -> None:
         self._closed = True

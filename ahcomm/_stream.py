@@ -109,6 +109,19 @@ class Stream:
             self._failed(exc)
             return None
 
+    def _settled(self, fn: TaskFn, marker: asyncio.Future[None] | None) -> bool:
+        """Whether a queue entry runs nothing: a ``synchronize()`` marker (reached, with the
+        failure so far, which it clears) or a task after a failure (skipped, up to the next
+        ``synchronize()``)."""
+        if marker is not None:
+            _reached(marker, self._error)
+            self._error = None
+            return True
+        if self._error is not None:
+            _discard(fn)
+            return True
+        return False
+
     def _enqueue(self, fn: TaskFn, marker: asyncio.Future[None] | None) -> None:
         if self._closed:
             raise RuntimeError(f"stream {self.name} is closed")
@@ -189,14 +202,9 @@ class Stream:
                 await self._wakeup
                 self._wakeup = None
             fn, marker = queue.popleft()
-            if marker is not None:
-                _reached(marker, self._error)
-                self._error = None
-                continue
-            if self._error is not None:
-                _discard(fn)
+            if self._settled(fn, marker):
                 del fn
-                continue  # skip work after a failure, up to the next synchronize()
+                continue
             self._busy = True
             try:  # _execute, inlined: no coroutine per task (a large share of a step's cost)
                 result = fn()
