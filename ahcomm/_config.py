@@ -13,6 +13,14 @@ from ._torchrun import agent_store
 MiB = 1 << 20
 MIN_SECRET = 16  # characters of AHCOMM_JOB_SECRET
 
+
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity: a container's cpuset, not the host's count)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
 # Each tuple is tried in order; the first variable that is set wins.
 _RANK_VARS = ("AHCOMM_RANK", "RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "SLURM_PROCID")
 _SIZE_VARS = ("AHCOMM_WORLD_SIZE", "WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_NTASKS")

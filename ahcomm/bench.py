@@ -371,14 +371,6 @@ def local_rates() -> tuple[float, float, float]:
 SHARED_COPIERS = 8  # threads at most for the shared copy rate (each holds 64 MiB of arrays)
 
 
-def _usable_cores() -> int:
-    """The cores this process may run on (a container's cpuset, not the host's count)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
-
-
 def shared_copy_rate(cores: int, passes: int = 5, copies: int = 6) -> float:
     """Seconds per byte that each of ``cores`` threads copies while all copy at once (numpy
     releases the GIL: ranks of one server copying together share its memory bandwidth). Each
@@ -458,12 +450,13 @@ def calibrate() -> None:
     import dataclasses
     import tempfile
 
+    from ._config import usable_cores
     from .algorithms import cost as _cost
     from .run import launch
 
     gamma, copy, engine = local_rates()
     cores = os.cpu_count() or 1
-    copiers = min(SHARED_COPIERS, _usable_cores())
+    copiers = min(SHARED_COPIERS, usable_cores())
     shared = copy * shared_copy_rate(copiers) / shared_copy_rate(1)  # the ratio of like measurements
     print(f"reduce: {1 / gamma / 1e9:.2f} GB/s, copy: {1 / copy / 1e9:.2f} GB/s "
           f"({1 / shared / 1e9:.2f} GB/s each with {cores} copying at once), engine hand-off: {engine * 1e6:.0f} us")

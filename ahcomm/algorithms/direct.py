@@ -45,6 +45,7 @@ from typing import Any
 
 import numpy as np
 
+from .._config import usable_cores as _cores  # a name tests replace
 from ..transports.base import DataLink
 from . import _mailbox_sync as sync
 from .base import Algorithm, Call, Context, Resources, Topology
@@ -89,13 +90,6 @@ def max_threads() -> int:
     """AHCOMM_DIRECT_THREADS (default ``THREADS``), at least 1."""
     raw = os.environ.get("AHCOMM_DIRECT_THREADS", "").strip()
     return max(1, int(raw)) if raw.isdigit() else THREADS
-
-
-def _cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
 
 
 def threads(call: Call, topo: Topology, cores: int = 0, most: int = 0) -> int:

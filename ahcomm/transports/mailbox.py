@@ -46,6 +46,8 @@ from typing import Any, Literal, Protocol
 
 import numpy as np
 
+from .._config import usable_cores
+
 HEADER = 64  # bytes of a slot's header (a cache line): int64 flag and seq, uint32 fingerprint and size
 SLOTS = 2  # one slot per sequence-number parity
 # Payload bytes of a slot (AHCOMM_MAILBOX_BYTES; 0 turns mailboxes off). A call larger than a slot
@@ -100,19 +102,12 @@ def _micros(var: str, default: float) -> float:
         raise ConfigError(f"{var} must be a number of microseconds, got {raw!r}") from None
 
 
-def _cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
-
-
 def spin_budget(ranks: int) -> float:
     """Seconds a waiter may spin before it sleeps: AHCOMM_SPIN_US (default ``SPIN_US``), and 0
     where the host's ranks outnumber this process's cores (a spinning rank would keep a peer it
     waits for off its core)."""
     us = _micros("AHCOMM_SPIN_US", SPIN_US)
-    return us * 1e-6 if ranks <= _cores() else 0.0
+    return us * 1e-6 if ranks <= usable_cores() else 0.0
 
 
 def yield_budget(ranks: int) -> float:
@@ -123,7 +118,7 @@ def yield_budget(ranks: int) -> float:
     without a wake-up (FIFO, epoll, event-loop turn). Measured at 4 ranks on 2 cores: 8 B
     all_reduce p50 100-136 us against 300-380 sleeping, CPU per call 50-60 us against 100;
     at 6 and 8 ranks it did not help (8: 1.2-1.7x slower), so it is off there."""
-    cores = _cores()
+    cores = usable_cores()
     return _micros("AHCOMM_YIELD_US", YIELD_US) * 1e-6 if cores < ranks <= 2 * cores else 0.0
 
 
