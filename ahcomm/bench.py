@@ -30,6 +30,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from ._config import usable_cores
+
 if TYPE_CHECKING:
     from .algorithms.cost import CostModel, LinkCost
 
@@ -310,7 +312,8 @@ CALIBRATION_CASES = (
 )
 # Each case is timed this often; the median of the tries counts. The fastest of 3 (as before)
 # let one lucky try set a point: ten calibrations in a row fitted sdma at 4.6-12.6 GB/s; six with
-# the median of 5, 6.0-8.9 GB/s (one calibration takes ~6 s); results/2026-11-25-sim-fidelity-4.md.
+# the median of 5, 6.0-8.9 GB/s (one calibration takes 7-8 s on 2 cores, 10.5 s on one);
+# results/2026-11-25-sim-fidelity-4.md.
 CALIBRATION_REPEATS = 5
 
 
@@ -336,7 +339,7 @@ async def calibrate_rank(out_path: str) -> None:
             points.append({"algorithm": algorithm, "op": op, "count": case.block, "seconds": statistics.median(tries)})
         if comm.rank == 0:
             with open(out_path, "w") as f:
-                json.dump({"points": points, "cores": os.cpu_count() or 1,
+                json.dump({"points": points, "cores": usable_cores(),
                            "single_copy": comm.topology.single_copy}, f)
 
 
@@ -450,16 +453,15 @@ def calibrate() -> None:
     import dataclasses
     import tempfile
 
-    from ._config import usable_cores
     from .algorithms import cost as _cost
     from .run import launch
 
     gamma, copy, engine = local_rates()
-    cores = os.cpu_count() or 1
-    copiers = min(SHARED_COPIERS, usable_cores())
+    cores = usable_cores()  # the cores the job's ranks run on (as direct's copy threads count them)
+    copiers = min(SHARED_COPIERS, cores)
     shared = copy * shared_copy_rate(copiers) / shared_copy_rate(1)  # the ratio of like measurements
     print(f"reduce: {1 / gamma / 1e9:.2f} GB/s, copy: {1 / copy / 1e9:.2f} GB/s "
-          f"({1 / shared / 1e9:.2f} GB/s each with {cores} copying at once), engine hand-off: {engine * 1e6:.0f} us")
+          f"({1 / shared / 1e9:.2f} GB/s each with {copiers} copying at once), engine hand-off: {engine * 1e6:.0f} us")
     model = dataclasses.replace(_cost.CostModel(), gamma=gamma, copy=copy, engine=engine, copy_shared=shared)
     links, scales = dict(model.links), []
     with tempfile.TemporaryDirectory() as tmp:

@@ -87,12 +87,13 @@ def main() -> None:
               "| with --cpu us "
               "| predicted/measured | load |")
         print("|---|---|---|---|---|---|---|---|---|")
-        rows = []
+        rows, models = [], [model.to_dict()]
         for n in args.ranks:
             for op in OPS:
-                if args.calibrate_each and rows:
+                if args.calibrate_each and (n, op) != (args.ranks[0], OPS[0]):  # the first op has one
                     calibrate(env)
                     model = load_model(model_path)
+                    models.append(model.to_dict())
                 runs = [measure(op, n, args.algorithm, args.iters, tmp, env) for _ in range(max(1, args.repeat))]
                 measured = {size: float(statistics.median(run[size] for run in runs)) for size in runs[0]}
                 for size in SIZES:
@@ -113,7 +114,7 @@ def main() -> None:
                 if args.calibrate_each:
                     print(f"|  | model for {op} at {n} ranks: {describe(model)} |||||||", flush=True)
         if args.json:
-            Path(args.json).write_text(json.dumps({"model": model.to_dict(), "rows": rows}, indent=1))
+            Path(args.json).write_text(json.dumps({"model": models[0], "models": models, "rows": rows}, indent=1))
 
 
 if __name__ == "__main__":

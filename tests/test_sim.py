@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -11,7 +13,7 @@ from typing import Any
 import pytest
 
 from ahcomm.algorithms.cost import LinkCost
-from ahcomm.sim import OPS, candidates, closed_form, main, reference_model, simulate
+from ahcomm.sim import OPS, candidates, closed_form, load_model, main, reference_model, simulate
 from ahcomm.transports.sim import SimDeadlock, VirtualLoop
 
 CASES = [(3, 2), (5, 3), (8, 4)]  # (ranks, ranks per server): odd worlds, 2 servers
@@ -324,3 +326,20 @@ def test_calibrate_shared_copy_rate_counts_every_thread() -> None:
     # two threads copying at once are each no faster than one alone (the wall time over every
     # thread's bytes, taken as each thread's rate, would read twice too fast)
     assert two >= 0.7 * one, (one, two)
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,
+                    reason="needs a second usable core to tell usable cores from the host's")
+def test_calibrate_saves_the_cores_the_job_may_use(tmp_path: Path) -> None:
+    """``ahcomm-bench calibrate`` under ``taskset``-like affinity (one core) saves ``cores`` 1: the
+    simulator's CPU pool and its crowding are the job's usable cores, as direct's copy threads
+    count them, not the host's ``cpu_count`` (a calibration in a 2-core container on a big host
+    spread its crowding over every core of the host)."""
+    path = tmp_path / "calibration.json"
+    one = min(os.sched_getaffinity(0))
+    env = {**os.environ, "AHCOMM_TUNING_FILE": str(path)}
+    done = subprocess.run([sys.executable, "-m", "ahcomm.bench", "calibrate"], env=env, capture_output=True,
+                          text=True, timeout=300, preexec_fn=lambda: os.sched_setaffinity(0, {one}))
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "each with 1 copying at once" in done.stdout, done.stdout
+    assert load_model(str(path)).cores == 1
