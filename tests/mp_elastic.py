@@ -57,7 +57,10 @@ async def check(comm: ahcomm.Comm, new: ahcomm.Comm | None, survivors: list[int]
 
 async def grown_check(grown: ahcomm.Comm, state: dict[str, int] | None, victim: int) -> None:
     state = await grown.broadcast_object(state, root=1 if victim == 0 else 0)  # a survivor has it
-    assert state == {"total": 20 * 4 + 5 * 3}, state  # what rank 0 summed up before the growth
+    # What the root summed up before the growth: 20 calls of 4 ranks (19 where the victim's part of
+    # its last call was still in its socket when it was SIGKILLed: that call fails on the survivors),
+    # then 5 of 3. The test checks that every rank of the grown communicator prints the same.
+    assert state is not None and state["total"] in (19 * 4 + 5 * 3, 20 * 4 + 5 * 3), state
     got = await grown.all_reduce(np.full(100, grown.rank + 1, np.int64))
     assert grown.size == 4 and (got == 10).all(), (grown.size, got[:3])
     small = grown.explain("all_reduce", 2)[0]  # sdma: the grown communicator's own mailboxes (oneshot)
