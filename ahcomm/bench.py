@@ -411,7 +411,8 @@ def fit_link(kind: str, points: list[dict[str, Any]], model: CostModel, single_c
     The algorithms' own ``cost()`` gives each point's coefficients: evaluated with a model
     whose only nonzero number is the step (``alpha``) and notify (``task``) cost in the
     ratio of ``model``'s, then with only ``beta``; the host's gamma, copy and engine costs
-    are known. Weighted least squares (relative error) then fits t = s * latency + beta *
+    are known (engine hand-offs only where the 2 ranks leave ``model.cores`` a core to spare:
+    the streams copy inline otherwise). Weighted least squares (relative error) then fits t = s * latency + beta *
     bytes + known, s scaling alpha and task. There is no intercept: the step-wise cases differ
     little in steps, and a free per-call constant would swallow them (what every collective
     costs alike lands in the latency, which all candidates pay). A fit that comes out
@@ -429,7 +430,8 @@ def fit_link(kind: str, points: list[dict[str, Any]], model: CostModel, single_c
     latency = CostModel(links={**zero, kind: LinkCost(base.alpha, 0.0)}, gamma=0.0, copy=0.0, task=model.task,
                         engine=0.0)
     per_byte = CostModel(links={**zero, kind: LinkCost(0.0, 1.0)}, gamma=0.0, copy=0.0, task=0.0, engine=0.0)
-    known = dataclasses.replace(model, links={**zero, kind: LinkCost(0.0, 0.0)}, task=0.0, cores=0)
+    known = dataclasses.replace(model, links={**zero, kind: LinkCost(0.0, 0.0)}, task=0.0, cores=0,
+                                engine=model.engine_cost(topo))  # none where 2 ranks fill the cores
     rows, y = [], []
     for p in points:
         call = Call(op=p["op"], seq=0, dtype=np.dtype(np.float32), count=int(p["count"]))
@@ -462,7 +464,8 @@ def calibrate() -> None:
     shared = copy * shared_copy_rate(copiers) / shared_copy_rate(1)  # the ratio of like measurements
     print(f"reduce: {1 / gamma / 1e9:.2f} GB/s, copy: {1 / copy / 1e9:.2f} GB/s "
           f"({1 / shared / 1e9:.2f} GB/s each with {copiers} copying at once), engine hand-off: {engine * 1e6:.0f} us")
-    model = dataclasses.replace(_cost.CostModel(), gamma=gamma, copy=copy, engine=engine, copy_shared=shared)
+    model = dataclasses.replace(_cost.CostModel(), gamma=gamma, copy=copy, engine=engine, copy_shared=shared,
+                                cores=cores)
     links, scales = dict(model.links), []
     with tempfile.TemporaryDirectory() as tmp:
         for kind in ("sdma", "rdma"):

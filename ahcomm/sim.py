@@ -28,7 +28,7 @@ import numpy as np
 from ._dtypes import ReduceOp
 from ._simform import closed_form
 from ._simstream import SimStream
-from ._stream import ENGINE_THRESHOLD, Stream
+from ._stream import ENGINE_THRESHOLD, NO_ENGINE, Stream
 from .algorithms import REGISTRY, Algorithm, Call, CostModel, LinkCost, Topology
 from .algorithms._executor import Executor, Progress
 from .algorithms._selection import Selector
@@ -154,7 +154,8 @@ class World:
         host = cpu and model.cores > 0  # this host's costs: shared cores, posts, engine hand-offs, memory bandwidth
         self.net = SimNetwork(self.loop, k, params, contention=contention, check=check,
                               cores=model.cores if cpu else 0, task=model.task if host else 0.0,
-                              engine=model.engine if host else 0.0, engine_bytes=ENGINE_THRESHOLD,
+                              engine=model.engine if host else 0.0,
+                              engine_bytes=ENGINE_THRESHOLD if model.cores <= 0 or k < model.cores else NO_ENGINE,
                               crowd=model.crowd if host else 1.0)
         size = CHECK_BUFFSIZE if check else BUFFSIZE
         if check:

@@ -6,6 +6,7 @@ import asyncio
 import time
 
 import numpy as np
+import pytest
 
 import ahcomm
 
@@ -143,8 +144,11 @@ async def test_cancel_while_a_big_collective_is_in_flight() -> None:
     await asyncio.gather(*(c.close() for c in comms))
 
 
-async def test_cancel_between_the_count_exchange_and_the_data() -> None:
-    """all_gather_v without counts is two collectives (#0 counts, #1 data): cancel in between."""
+async def test_cancel_between_the_count_exchange_and_the_data(monkeypatch: pytest.MonkeyPatch) -> None:
+    """all_gather_v without counts is two collectives (#0 counts, #1 data): cancel in between.
+    The data call's copies go to copy engines (threads), so it is still running when the
+    exchange is done (inline, 3 ranks on 2 cores, it could finish within the same poll)."""
+    monkeypatch.setenv("AHCOMM_COPY_ENGINE", "on")
     comms = await ahcomm.init_inprocess(3, buffsize=1 << 20)
     rows = [np.full((r + 1, 1 << 16), r, np.float32) for r in range(3)]
     tasks = [asyncio.ensure_future(c.all_gather_v(rows[c.rank])) for c in comms]

@@ -9,8 +9,11 @@ import time
 import numpy as np
 import pytest
 
+from ahcomm import _stream
+from ahcomm._errors import ConfigError
 from ahcomm._notify import Notify
-from ahcomm._stream import ENGINE_THRESHOLD, Stream
+from ahcomm._stream import ENGINE_THRESHOLD, NO_ENGINE, Stream, engine_bytes_for
+from ahcomm.testing import local_world
 
 
 async def test_post_sets_one_and_wait_resets() -> None:
@@ -196,3 +199,44 @@ def test_progress_low_water_mark_moves_when_the_last_peer_at_it_does() -> None:
     assert p.low() == 4
     p.reached(1, 7)
     assert p.low() == 5
+
+
+def test_copy_engines_only_where_the_host_has_cores_to_spare(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("AHCOMM_COPY_ENGINE", raising=False)
+    monkeypatch.setattr(_stream, "usable_cores", lambda: 4)
+    assert engine_bytes_for(1) == engine_bytes_for(3) == ENGINE_THRESHOLD
+    assert engine_bytes_for(4) == engine_bytes_for(9) == NO_ENGINE
+    monkeypatch.setenv("AHCOMM_COPY_ENGINE", "on")
+    assert engine_bytes_for(9) == ENGINE_THRESHOLD
+    monkeypatch.setenv("AHCOMM_COPY_ENGINE", "OFF")
+    assert engine_bytes_for(1) == NO_ENGINE
+    monkeypatch.setenv("AHCOMM_COPY_ENGINE", "sometimes")
+    with pytest.raises(ConfigError, match="AHCOMM_COPY_ENGINE must be auto, on or off, got 'sometimes'"):
+        engine_bytes_for(1)
+
+
+async def test_a_stream_without_an_engine_copies_inline() -> None:
+    s = Stream("t", engine_bytes=NO_ENGINE)
+    src, dst = np.ones(4 << 20, np.uint8), np.zeros(4 << 20, np.uint8)
+    s.copy(dst, src)  # an idle stream runs what can finish at once inside submit
+    assert dst.all() and s._engine is None
+    await s.close()
+
+
+@pytest.mark.parametrize(("cores", "engines"), [(2, False), (64, True)])
+async def test_ranks_as_many_as_cores_copy_on_their_event_loops(monkeypatch: pytest.MonkeyPatch, cores: int,
+                                                               engines: bool) -> None:
+    """4 ranks of one host, ring all_gather of 1 MiB blocks (pieces above ENGINE_THRESHOLD): on
+    2 cores no stream starts a copy-engine thread, on 64 they do (the executor's policy)."""
+    monkeypatch.delenv("AHCOMM_COPY_ENGINE", raising=False)
+    monkeypatch.setattr(_stream, "usable_cores", lambda: cores)
+    comms = await local_world(4, buffsize=16 << 20)
+    try:
+        xs = [np.full(1 << 18, r, np.float32) for r in range(4)]
+        outs = await asyncio.gather(*(c.all_gather(x, algorithm="ring") for c, x in zip(comms, xs)))
+        for out in outs:
+            np.testing.assert_array_equal(np.asarray(out).reshape(4, -1)[:, 0], np.arange(4, dtype=np.float32))
+        started = [s._engine is not None for c in comms for s in (c._executor.main, *c._executor.subs)]
+        assert any(started) is engines, started
+    finally:
+        await asyncio.gather(*(c.close() for c in comms))

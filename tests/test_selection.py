@@ -89,6 +89,16 @@ def test_oversubscribed_host_prefers_star_for_small_all_reduce() -> None:
     assert pick("all_reduce", "sdma", 4, 8, CostModel(cores=2)) == "star"
 
 
+def test_no_engine_hand_offs_where_ranks_fill_the_cores() -> None:
+    """The streams copy inline where a host has as many ranks as cores (``engine_bytes_for``):
+    the model charges a hand-off per big memory task only where there are cores to spare."""
+    assert CostModel(engine=1e-3, cores=8).engine_cost(topo("sdma", 4)) == 1e-3
+    assert CostModel(engine=1e-3, cores=4).engine_cost(topo("sdma", 4)) == 0.0
+    assert CostModel(engine=1e-3).engine_cost(topo("sdma", 4)) == 1e-3  # cores unknown
+    work = Work(engines=3)
+    assert work.seconds(CostModel(engine=1e-3, cores=2), topo("sdma", 2)) == 0.0
+
+
 def test_rdma_small_all_reduce_order_and_large_all_to_all() -> None:
     sel = Selector(catalogue(), "", CostModel(cores=2))
     costs = sel.costs(call("all_reduce", 4, 8), topo("rdma", 4))

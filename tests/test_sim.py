@@ -243,12 +243,16 @@ def test_selector_picks_the_simulated_best_at_8_bytes(n: int) -> None:
 def test_cpu_engine_handoff_per_big_memory_task() -> None:
     """--cpu: a copy, reduction or sdma put of ENGINE_THRESHOLD bytes or more costs the model's
     ``engine`` seconds of CPU for the hand-off to its copy engine's thread (as ``Stream.memory``
-    hands it over); smaller ones run inline and pay nothing. Ring all_reduce at 2 ranks, 2 MiB, has 5 such tasks on its
-    critical path (the input copy, put, reduce, put, copy)."""
-    base = replace(reference_model(), cores=2)
+    hands it over); smaller ones run inline and pay nothing, and so do all of them where a
+    server has as many ranks as cores (the real streams copy inline there). Ring all_reduce at
+    2 ranks, 2 MiB, has 5 such tasks on its critical path (the input copy, put, reduce, put, copy)."""
+    base = replace(reference_model(), cores=4)
     slow = replace(base, engine=100e-6)
     big = [simulate("all_reduce", 2, 2, 2 << 20, "ring", model=m, cpu=True).time_us for m in (base, slow)]
     assert big[1] - big[0] >= 5 * 100 * 0.99
+    full = [simulate("all_reduce", 2, 2, 2 << 20, "ring", model=replace(m, cores=2), cpu=True).time_us
+            for m in (base, slow)]
+    assert full[1] == pytest.approx(full[0])  # 2 ranks on 2 cores: no engines
     small = [simulate("all_reduce", 2, 2, 64 << 10, "ring", model=m, cpu=True).time_us for m in (base, slow)]
     assert small[1] == pytest.approx(small[0])
     plain = [simulate("all_reduce", 2, 2, 2 << 20, "ring", model=m).time_us for m in (base, slow)]

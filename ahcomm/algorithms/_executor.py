@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from .._buffers import CclBuffers
-from .._stream import Stream
+from .._stream import Stream, engine_bytes_for
 from .._trace import Tracer
 from ..transports.base import Link, LinkEvents, Mailboxes
 from .base import ALIGN, WHOLE, Algorithm, Call, Context, Resources, Topology
@@ -110,7 +110,8 @@ class Executor:
         self.tracer = Tracer.from_env(rank, size)  # AHCOMM_TRACE; None: off, and nothing is timed
         if self.tracer is not None:
             self.run = self.tracer.runner(self.run)  # type: ignore[method-assign, assignment]
-        self.main = Stream("main", inline=True, tracer=self.tracer)
+        self.engine_bytes = _engine_bytes(topo)
+        self.main = Stream("main", inline=True, tracer=self.tracer, engine_bytes=self.engine_bytes)
         self.subs: list[Stream] = []
         self.bind()
         self._unmapped = [link for link in links.values() if not link.mapped]
@@ -148,6 +149,9 @@ class Executor:
     def set_topology(self, topo: Topology) -> None:
         self.topo = topo
         self._resources.clear()
+        self.engine_bytes = _engine_bytes(topo)
+        for stream in (self.main, *self.subs):
+            stream.engine_bytes = self.engine_bytes
 
     def _resources_for(self, algorithm: Algorithm, call: Call) -> Resources:
         """An algorithm's resources, computed once per (algorithm, op, dtype, count) and kept."""
@@ -161,7 +165,7 @@ class Executor:
 
     def _substreams(self, count: int) -> list[Stream]:
         while len(self.subs) < count:
-            self.subs.append(Stream(f"sub{len(self.subs)}", tracer=self.tracer))
+            self.subs.append(Stream(f"sub{len(self.subs)}", tracer=self.tracer, engine_bytes=self.engine_bytes))
         return self.subs[:count]
 
     async def run(self, call: Call, algorithm: Algorithm, src: np.ndarray, dst: np.ndarray,
@@ -298,3 +302,9 @@ class Executor:
             stream.abort(error)
         if self.tracer is not None:  # what ran up to the failure
             self.tracer.write()
+
+
+def _engine_bytes(topo: Topology) -> int:
+    """The streams' copy-engine threshold for ``topo``: by how many ranks share this rank's host."""
+    here = topo.hosts[topo.rank] if topo.hosts else None
+    return engine_bytes_for(sum(1 for h in topo.hosts if h == here) if here is not None else 1)

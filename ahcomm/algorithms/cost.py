@@ -16,7 +16,8 @@ the host). Of the host: ``gamma``, seconds per byte reduced; ``copy``, per byte 
 mesh and star move data); ``task``, per link notify a rank posts (DataSignal, Ack: the
 sender's and the woken receiver's event-loop work; a pipelined transfer posts one DataSignal
 and one Ack per piece); ``engine``, per memory task big enough (``ENGINE_BYTES``) to go to a
-stream's copy engine (the hand-off to the thread and the wake-up when it is done).
+stream's copy engine (the hand-off to the thread and the wake-up when it is done; none
+where a host has as many ranks as cores or more, as its streams then copy inline).
 
 Oversubscription: with more working ranks on a host than it has cores (``CostModel.cores``,
 which rank 0 hands to every rank with the rest of the model), ranks wait for a core. With
@@ -97,6 +98,12 @@ class CostModel:
         for host in topo.hosts:
             counts[host] = counts.get(host, 0) + 1
         return max(counts.values(), default=1)
+
+    def engine_cost(self, topo: Topology) -> float:
+        """Seconds per memory task handed to a copy engine: ``engine``, or nothing where the most
+        crowded host has as many ranks as cores or more (its streams then copy inline:
+        ``ahcomm._stream.engine_bytes_for``)."""
+        return self.engine if self.cores <= 0 or self.per_host(topo) < self.cores else 0.0
 
     def active(self, topo: Topology, busy: float | None = None) -> float:
         """Ranks of the most crowded host that work at once (``busy``; None: all of them)."""
@@ -190,7 +197,7 @@ class Work:
 
     def seconds(self, model: CostModel, topo: Topology) -> float:
         link = model.link(topo)
-        cpu = (self.tasks * model.task + self.engines * model.engine + self.link * link.beta
+        cpu = (self.tasks * model.task + self.engines * model.engine_cost(topo) + self.link * link.beta
                + self.reduced * model.gamma + self.copied * model.copy)
         hop = model.hop(topo, self.busy)
         return ((self.rounds * hop + self.handoffs * (hop - 1.0)) * link.alpha
