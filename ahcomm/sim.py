@@ -156,7 +156,7 @@ class World:
                               cores=model.cores if cpu else 0, task=model.task if host else 0.0,
                               engine=model.engine if host else 0.0,
                               engine_bytes=ENGINE_THRESHOLD if model.cores <= 0 or k < model.cores else NO_ENGINE,
-                              crowd=model.crowd if host else 1.0)
+                              crowd=model.crowd if host else 1.0, copy=model.copy if host else 0.0)
         size = CHECK_BUFFSIZE if check else BUFFSIZE
         if check:
             self.buffers = [(np.zeros(size, np.uint8), np.zeros(size, np.uint8)) for _ in range(n)]

@@ -279,6 +279,21 @@ def test_cpu_memory_bandwidth_shared_by_a_servers_copies() -> None:
     assert one[1] == pytest.approx(one[0])  # one rank per server: nothing to share
 
 
+def test_cpu_sdma_put_costs_the_copy_rate() -> None:
+    """--cpu: an sdma put is the sender's copy into the peer's mapped buffer: its CPU time follows
+    the model's copy rate, whatever the link's (fitted) beta; the ports still hold it for beta.
+    An rdma put is a send: its CPU time is the link's beta."""
+    from ahcomm.algorithms.cost import LinkCost
+
+    base = replace(reference_model(), cores=4, copy=1e-9, gamma=1e-12, task=0.0, engine=0.0)
+    fast_link = replace(base, links={**base.links, "sdma": LinkCost(1e-6, 1e-12)})
+    t = simulate("broadcast", 2, 2, 8 << 20, "ring", model=fast_link, cpu=True).time_us
+    assert t >= (8 << 20) * 1e-9 * 1e6  # the root's puts alone take the copy time
+    slow_copy = replace(fast_link, copy=2e-9)
+    assert simulate("broadcast", 2, 2, 8 << 20, "ring", model=slow_copy, cpu=True).time_us > 1.5 * t
+    assert simulate("broadcast", 2, 2, 8 << 20, "ring", model=fast_link).time_us < t  # without --cpu: beta
+
+
 def test_model_copy_shared_round_trip_and_old_files() -> None:
     """``copy_shared`` (``ahcomm-bench calibrate``'s rate with every core copying) is saved with the
     model; a calibration written before it existed loads with crowd 1 (not measured)."""

@@ -55,6 +55,7 @@ class SimNetwork:
     engine: float = 0.0  # seconds a memory task of engine_bytes or more waits for its copy engine's thread
     engine_bytes: int = 1 << 62  # the executor's ENGINE_THRESHOLD (set with engine)
     crowd: float = 1.0  # a copy's time when every core of its server copies at once / alone (>= 1)
+    copy: float = 0.0  # CPU seconds per byte of an sdma put (a copy into the peer's mapped buffer; 0: beta)
     copying: dict[int, list[float]] = field(default_factory=dict)  # server -> end times of its running copies
 
     def cpu(self, rank: int, span: float, memory: bool = False, fixed: float = 0.0) -> float:
@@ -165,9 +166,11 @@ class SimLink(Link):
             target = self._peer_buffers[0 if buf == "in" else 1]
             target[offset:offset + nbytes] = data
         end = net.transfer(self._out, self._in, self.kind, nbytes, self.beta)
-        if net.cores > 0:  # sdma: a copy into the peer's mapped memory on this rank's copy engine; rdma: a send
-            span = nbytes * self.beta
-            end = max(end, net.memory(self.rank, nbytes, span) if self.kind == INTRA else net.cpu(self.rank, span))
+        if net.cores > 0:  # sdma: a copy into the peer's mapped memory (at the host's copy rate); rdma: a send
+            if self.kind == INTRA:
+                end = max(end, net.memory(self.rank, nbytes, nbytes * (net.copy or self.beta)))
+            else:
+                end = max(end, net.cpu(self.rank, nbytes * self.beta))
         if end <= net.loop.now:
             return None
         return net.loop.delay(end)
