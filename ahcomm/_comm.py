@@ -279,7 +279,9 @@ class Comm(ThreadsafeCalls, BlockedCollectives, ObjectCollectives, PointToPoint)
         comm = type(self)(rank=rank, size=len(members), links=links, buffers=buffers, topo=topo, progress=progress,
                           selector=self._selector, exec_timeout=self._exec_timeout, on_close=on_close, parent=self,
                           members=members, child=child)
-        tracer = comm._executor.tracer
+        ex = comm._executor
+        ex.share_host(self._executor.host_ranks)  # the host runs the parent's ranks too
+        tracer = ex.tracer
         if tracer is not None:
             tracer.set_group(label)
         return comm

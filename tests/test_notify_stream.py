@@ -240,3 +240,20 @@ async def test_ranks_as_many_as_cores_copy_on_their_event_loops(monkeypatch: pyt
         assert any(started) is engines, started
     finally:
         await asyncio.gather(*(c.close() for c in comms))
+
+
+async def test_a_group_counts_every_rank_of_its_host(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A sub-communicator's topology shows only its members, but its host runs the parent's
+    ranks too: 4 ranks on 3 cores copy inline, and so do their groups of 2."""
+    monkeypatch.delenv("AHCOMM_COPY_ENGINE", raising=False)
+    monkeypatch.setattr(_stream, "usable_cores", lambda: 3)
+    comms = await local_world(4)
+    try:
+        groups = await asyncio.gather(*(c.split(c.rank % 2) for c in comms))
+        assert all(g is not None and g.size == 2 for g in groups)
+        assert {c._executor.engine_bytes for c in comms} == {NO_ENGINE}
+        assert {g._executor.engine_bytes for g in groups if g is not None} == {NO_ENGINE}
+        assert {g._executor.host_ranks for g in groups if g is not None} == {4}
+        await asyncio.gather(*(g.close() for g in groups if g is not None))
+    finally:
+        await asyncio.gather(*(c.close() for c in comms))

@@ -110,7 +110,9 @@ class Executor:
         self.tracer = Tracer.from_env(rank, size)  # AHCOMM_TRACE; None: off, and nothing is timed
         if self.tracer is not None:
             self.run = self.tracer.runner(self.run)  # type: ignore[method-assign, assignment]
-        self.engine_bytes = _engine_bytes(topo)
+        self._host_floor = 0  # ranks on this host that the topology may not show (``share_host``)
+        self.host_ranks = _ranks_here(topo)  # ranks of the job on this host
+        self.engine_bytes = engine_bytes_for(self.host_ranks)
         self.main = Stream("main", inline=True, tracer=self.tracer, engine_bytes=self.engine_bytes)
         self.subs: list[Stream] = []
         self.bind()
@@ -149,7 +151,19 @@ class Executor:
     def set_topology(self, topo: Topology) -> None:
         self.topo = topo
         self._resources.clear()
-        self.engine_bytes = _engine_bytes(topo)
+        self._copy_policy()
+
+    def share_host(self, ranks: int) -> None:
+        """At least ``ranks`` run on this rank's host, whatever the topology says: a group's
+        communicator gets its parent's count (the host runs every rank of the job, not only
+        the group's)."""
+        self._host_floor = ranks
+        self._copy_policy()
+
+    def _copy_policy(self) -> None:
+        """Where the host's ranks fill its cores the streams copy inline (``engine_bytes_for``)."""
+        self.host_ranks = max(_ranks_here(self.topo), self._host_floor)
+        self.engine_bytes = engine_bytes_for(self.host_ranks)
         for stream in (self.main, *self.subs):
             stream.engine_bytes = self.engine_bytes
 
@@ -304,7 +318,7 @@ class Executor:
             self.tracer.write()
 
 
-def _engine_bytes(topo: Topology) -> int:
-    """The streams' copy-engine threshold for ``topo``: by how many ranks share this rank's host."""
+def _ranks_here(topo: Topology) -> int:
+    """How many of ``topo``'s ranks share this rank's host."""
     here = topo.hosts[topo.rank] if topo.hosts else None
-    return engine_bytes_for(sum(1 for h in topo.hosts if h == here) if here is not None else 1)
+    return sum(1 for h in topo.hosts if h == here) if here is not None else 1
