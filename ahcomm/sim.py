@@ -152,10 +152,11 @@ class World:
         self.loop = VirtualLoop()  # type: ignore[abstract]
         params = {kind: LinkParams(c.alpha, c.beta) for kind, c in model.links.items()}
         host = cpu and model.cores > 0  # this host's costs: shared cores, posts, engine hand-offs, memory bandwidth
+        here = min(n, k)  # ranks of the fullest server (the cost model's per_host): engines where cores are left
         self.net = SimNetwork(self.loop, k, params, contention=contention, check=check,
                               cores=model.cores if cpu else 0, task=model.task if host else 0.0,
                               engine=model.engine if host else 0.0,
-                              engine_bytes=ENGINE_THRESHOLD if model.cores <= 0 or k < model.cores else NO_ENGINE,
+                              engine_bytes=ENGINE_THRESHOLD if model.cores <= 0 or here < model.cores else NO_ENGINE,
                               crowd=model.crowd if host else 1.0, copy=model.copy if host else 0.0)
         size = CHECK_BUFFSIZE if check else BUFFSIZE
         if check:

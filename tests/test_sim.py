@@ -259,6 +259,16 @@ def test_cpu_engine_handoff_per_big_memory_task() -> None:
     assert plain[1] == pytest.approx(plain[0])  # without --cpu: no host costs
 
 
+def test_cpu_engine_handoffs_count_the_ranks_a_server_holds_not_its_slots() -> None:
+    """2 ranks of a server that could take 8 (``ahcomm-sim -n 2 -k 8``) on 4 cores: the real
+    streams (2 ranks on the host < 4 cores) and the cost model (``per_host`` 2) hand big tasks to
+    copy engines, so the simulator charges the hand-offs too (it went by ``k``, 8, and charged none)."""
+    base = replace(reference_model(), cores=4)
+    slow = replace(base, engine=100e-6)
+    spread = [simulate("all_reduce", 2, 8, 2 << 20, "ring", model=m, cpu=True).time_us for m in (base, slow)]
+    assert spread[1] - spread[0] >= 5 * 100 * 0.99
+
+
 def test_cpu_memory_bandwidth_shared_by_a_servers_copies() -> None:
     """--cpu: copies on one server at once share its memory bandwidth: with every core copying,
     each takes ``crowd`` (copy_shared / copy) times longer; a copy alone takes ``copy``."""
