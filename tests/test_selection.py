@@ -241,6 +241,21 @@ def test_oversubscription_factors() -> None:
     assert work.seconds(CostModel(cores=4), t4) == pytest.approx(2 * link.alpha + model.task)
 
 
+def test_uncalibrated_model_counts_the_usable_cores(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without a calibration the model takes the cores this process may run on (its affinity),
+    not the host's ``cpu_count``: in a 2-core cpuset of a 64-core host the streams of 4 ranks copy
+    inline (``engine_bytes_for``), so the model must not charge them engine hand-offs (nor leave
+    the host's oversubscription out)."""
+    from ahcomm.algorithms import cost
+
+    monkeypatch.setenv("AHCOMM_TUNING_FILE", str(tmp_path / "none.json"))
+    monkeypatch.setattr(cost, "usable_cores", lambda: 2, raising=False)
+    monkeypatch.setattr(cost.os, "cpu_count", lambda: 64)
+    model = load()
+    assert model.cores == 2
+    assert model.engine_cost(topo("sdma", 4)) == 0.0
+
+
 def test_model_round_trip_and_old_calibrations(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     model = dataclasses.replace(CostModel(), links={**CostModel().links, "rdma": LinkCost(1e-4, 2e-9)},
                                 task=5e-5, engine=6e-5, cores=3, source="test")

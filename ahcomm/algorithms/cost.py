@@ -46,6 +46,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from .._config import usable_cores
 from .._stream import ENGINE_THRESHOLD as ENGINE_BYTES
 from .call import Call, Topology
 
@@ -161,8 +162,9 @@ def cache_path() -> Path:
 def load() -> CostModel:
     """The cached calibration, or the defaults when there is none (or it cannot be read).
 
-    Where the file does not say how many cores the host has, this process's count is taken
-    (only rank 0's model is used by a job, so every rank still agrees).
+    Where the file does not say how many cores the host has, this process's usable cores are
+    taken (its affinity, as calibrate counts them and as ``engine_bytes_for`` decides whether the
+    streams copy inline; only rank 0's model is used by a job, so every rank still agrees).
     """
     path = cache_path()
     try:
@@ -170,7 +172,7 @@ def load() -> CostModel:
     except (OSError, ValueError, KeyError, TypeError):
         model = CostModel()
     if model.cores <= 0:
-        model = replace(model, cores=os.cpu_count() or 1)
+        model = replace(model, cores=usable_cores())
     return model
 
 
