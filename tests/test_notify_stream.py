@@ -257,3 +257,24 @@ async def test_a_group_counts_every_rank_of_its_host(monkeypatch: pytest.MonkeyP
         await asyncio.gather(*(g.close() for g in groups if g is not None))
     finally:
         await asyncio.gather(*(c.close() for c in comms))
+
+
+async def test_a_new_topology_sets_every_streams_engine_threshold(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``Comm._set_topology`` (elastic shrink/grow, suspend, init's agreement) re-decides the copy
+    engines for the streams already made, sub-streams included: 4 ranks of one host on 3 cores
+    copy inline; spread over two hosts (2 ranks each) they hand big tasks to engines again."""
+    import dataclasses
+
+    monkeypatch.delenv("AHCOMM_COPY_ENGINE", raising=False)
+    monkeypatch.setattr(_stream, "usable_cores", lambda: 3)
+    comms = await local_world(4, buffsize=16 << 20)
+    try:
+        xs = [np.full(1 << 18, r, np.float32) for r in range(4)]
+        await asyncio.gather(*(c.all_gather(x, algorithm="ring") for c, x in zip(comms, xs)))
+        streams = [s for c in comms for s in (c._executor.main, *c._executor.subs)]
+        assert len(streams) > len(comms) and all(s.engine_bytes == NO_ENGINE for s in streams)
+        for c in comms:
+            c._set_topology(dataclasses.replace(c.topology, hosts=("a", "a", "b", "b")))
+        assert all(s.engine_bytes == ENGINE_THRESHOLD for s in streams)
+    finally:
+        await asyncio.gather(*(c.close() for c in comms))
