@@ -19,6 +19,7 @@ from ahcomm.algorithms import REGISTRY, Algorithm, Call, Context, Registry, Topo
 from ahcomm.algorithms._selection import Selector
 from ahcomm.algorithms.base import WHOLE
 from ahcomm.algorithms.cost import MODEL_VERSION, CostModel, LinkCost, Work, load
+from ahcomm.algorithms.direct import Direct
 from ahcomm.algorithms.mesh import Mesh
 from ahcomm.algorithms.nb import NB
 from ahcomm.algorithms.nhr import NHR
@@ -97,6 +98,19 @@ def test_no_engine_hand_offs_where_ranks_fill_the_cores() -> None:
     assert CostModel(engine=1e-3).engine_cost(topo("sdma", 4)) == 1e-3  # cores unknown
     work = Work(engines=3)
     assert work.seconds(CostModel(engine=1e-3, cores=2), topo("sdma", 2)) == 0.0
+
+
+def test_direct_hands_off_to_its_own_threads_on_a_full_host() -> None:
+    """Where the streams copy inline (2 ranks on 2 cores) their memory tasks pay no hand-off, but
+    direct's copy threads are its own (not ``AHCOMM_COPY_ENGINE``'s): a copy of INLINE_BYTES or
+    more still goes to a thread there, and its hand-off is charged."""
+    full = CostModel(copy=0.0, engine=1e-3, cores=2)
+    assert Work(engines=1).seconds(full, topo("sdma", 2)) == 0.0  # the streams' engines: gone
+    assert Work(engines=1, threads=True).seconds(full, topo("sdma", 2)) == pytest.approx(1e-3)
+    direct = Direct().work(call("broadcast", 2, 64 << 20), topo("sdma", 2), full, 64 << 20, 64 << 20)
+    assert direct.threads and direct.engines == 1
+    free = dataclasses.replace(full, engine=0.0)
+    assert direct.seconds(full, topo("sdma", 2)) - direct.seconds(free, topo("sdma", 2)) == pytest.approx(0.5e-3)
 
 
 def test_rdma_small_all_reduce_order_and_large_all_to_all() -> None:

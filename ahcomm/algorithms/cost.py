@@ -100,11 +100,15 @@ class CostModel:
             counts[host] = counts.get(host, 0) + 1
         return max(counts.values(), default=1)
 
+    def engines_on(self, topo: Topology) -> bool:
+        """Whether the streams hand big memory tasks to copy engines: not where the most crowded
+        host has as many ranks as cores or more (they copy inline: ``ahcomm._stream.engine_bytes_for``)."""
+        return self.cores <= 0 or self.per_host(topo) < self.cores
+
     def engine_cost(self, topo: Topology) -> float:
-        """Seconds per memory task handed to a copy engine: ``engine``, or nothing where the most
-        crowded host has as many ranks as cores or more (its streams then copy inline:
-        ``ahcomm._stream.engine_bytes_for``)."""
-        return self.engine if self.cores <= 0 or self.per_host(topo) < self.cores else 0.0
+        """Seconds per memory task handed to a stream's copy engine: ``engine``, or nothing where
+        the streams copy inline (``engines_on``)."""
+        return self.engine if self.engines_on(topo) else 0.0
 
     def active(self, topo: Topology, busy: float | None = None) -> float:
         """Ranks of the most crowded host that work at once (``busy``; None: all of them)."""
@@ -196,10 +200,14 @@ class Work:
     engines: float = 0.0  # memory tasks of at least ENGINE_BYTES (copy-engine hand-offs)
     busy: float | None = None  # ranks working as hard as this one at once (None: all of them)
     streams: int = 1  # copy engines the busiest rank keeps busy at once
+    threads: bool = False  # ``engines`` and ``streams`` are the algorithm's own threads (direct), not the streams'
 
     def seconds(self, model: CostModel, topo: Topology) -> float:
+        """Where the streams copy inline (``CostModel.engines_on``) their memory tasks pay no
+        hand-off; an algorithm's own threads (``threads``: direct's) hand off all the same."""
+        engines_on = self.threads or model.engines_on(topo)
         link = model.link(topo)
-        cpu = (self.tasks * model.task + self.engines * model.engine_cost(topo) + self.link * link.beta
+        cpu = (self.tasks * model.task + self.engines * (model.engine if engines_on else 0.0) + self.link * link.beta
                + self.reduced * model.gamma + self.copied * model.copy)
         hop = model.hop(topo, self.busy)
         return ((self.rounds * hop + self.handoffs * (hop - 1.0)) * link.alpha

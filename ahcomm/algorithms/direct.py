@@ -156,7 +156,7 @@ class Direct(Algorithm):
         busy = topo.size - 1 if call.op == "broadcast" else None
         copied = whole
         return Work(rounds=2 * STEP, copied=copied, engines=1 if copied >= INLINE_BYTES else 0, busy=busy,
-                    streams=threads(call, topo, model.cores or 1, THREADS))
+                    streams=threads(call, topo, model.cores or 1, THREADS), threads=True)
 
     async def orchestrate(self, ctx: Context) -> None:
         if not ctx.topo.single_copy:
