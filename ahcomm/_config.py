@@ -139,6 +139,9 @@ class Config:
         transport = env.get("AHCOMM_TRANSPORT", "auto").strip().lower() or "auto"
         if transport not in ("auto", "sdma", "rdma"):
             raise ConfigError(f"AHCOMM_TRANSPORT={transport!r}: expected auto, sdma or rdma")
+        engines = env.get("AHCOMM_COPY_ENGINE", "auto").strip().lower() or "auto"
+        if engines not in ("auto", "on", "off"):  # read by the streams (_stream.engine_bytes_for); checked early
+            raise ConfigError(f"AHCOMM_COPY_ENGINE must be auto, on or off, got {engines!r}")
         addr = _first(env, _ADDR_VARS)
         if addr is not None:
             _address(env, addr[0], addr[1])

@@ -57,9 +57,9 @@ def engine_bytes_for(ranks_here: int) -> int:
     ``ENGINE_THRESHOLD`` where they are fewer than this process's cores (the engines copy on
     cores no rank needs), else ``NO_ENGINE``. Measured at 4 ranks on 2 cores, ring all_gather
     2 MiB: 7.7-10.5 ms a call with engines, 4.0-4.3 ms inline (CPU per rank 2.8-3.8 ms against
-    1.5-1.8, context switches 50 against 18); at 2 ranks on 2 cores mesh all_reduce 64 MiB
-    11.4-14.6 ms inline against 15.0-17.1. ``AHCOMM_COPY_ENGINE`` (``auto``, ``on``, ``off``)
-    overrides."""
+    1.5-1.8, context switches 47-53 against 17-20); at 2 ranks on 2 cores mesh all_reduce 64 MiB
+    11.4-14.6 ms inline against 15.0-17.1 (benchmarks/results/2026-11-26-inline-copies.md).
+    ``AHCOMM_COPY_ENGINE`` (``auto``, ``on``, ``off``) overrides."""
     mode = os.environ.get("AHCOMM_COPY_ENGINE", "auto").strip().lower() or "auto"
     if mode not in ("auto", "on", "off"):
         raise ConfigError(f"AHCOMM_COPY_ENGINE must be auto, on or off, got {mode!r}")

@@ -201,6 +201,9 @@ def test_config_errors_name_the_variable() -> None:
         Config.from_env({"AHCOMM_TRANSPORT": "carrier-pigeon"})
     with pytest.raises(ahcomm.ConfigError, match="AHCOMM_EXEC_TIMEOUT"):
         Config.from_env({"AHCOMM_EXEC_TIMEOUT": "-1"})
+    with pytest.raises(ahcomm.ConfigError, match="AHCOMM_COPY_ENGINE must be auto, on or off, got 'yes'"):
+        Config.from_env({"AHCOMM_COPY_ENGINE": "yes"})  # at init, before any link is made
+    assert Config.from_env({"AHCOMM_COPY_ENGINE": " OFF "}) is not None
 
 
 def test_algo_grammar() -> None:
