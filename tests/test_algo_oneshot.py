@@ -285,3 +285,52 @@ async def test_a_lost_wake_up_costs_a_recheck_not_a_hang() -> None:
         assert sum(box.rechecks for box in boxes if box is not None) >= 1
     finally:
         await asyncio.gather(*(c.close() for c in comms))
+
+
+@pytest.mark.parametrize("size", [2, 3, 4, 7])
+async def test_twoshot_matrix(size: int, rng: np.random.Generator, monkeypatch: pytest.MonkeyPatch) -> None:
+    """twoshot (all_reduce through the mailboxes in two rounds: each rank reduces its share,
+    then every rank gathers the shares): every reduction and dtype, counts 0, 1, 37 and 1001
+    (fewer elements than ranks: empty shares), in place and not, in slots of 1 MiB and of 192
+    bytes (many slices); the same bits on every rank and as oneshot's."""
+    todo = [case for case in cases(rng, size) if case[0] == "all_reduce"]
+
+    async def issue2(comm: ahcomm.Comm, case: tuple[Any, ...]) -> Any:
+        _, xs, redop, _, inplace = case
+        x = xs[comm.rank].copy() if inplace else xs[comm.rank]
+        got = await comm.all_reduce(x, redop, out=x if inplace else None, algorithm="twoshot")
+        assert got is x or not inplace
+        return got
+
+    for slot in ("1048576", "192"):
+        monkeypatch.setenv("AHCOMM_MAILBOX_BYTES", slot)
+        results = await run_inproc(size, lambda comm: issue_each(comm, todo, issue2, in_place=lambda c: c[4]))
+        for k, case in enumerate(todo):
+            for rank in range(size):
+                assert_close(results[rank][k].reshape(-1), want(case, rank, size))
+            assert all(results[0][k].tobytes() == results[r][k].tobytes() for r in range(size))
+    xs = [rng.standard_normal(1001).astype(np.float32) for _ in range(size)]
+    two = await run_inproc(size, lambda c: c.all_reduce(xs[c.rank], algorithm="twoshot"))
+    one = await run_inproc(size, lambda c: c.all_reduce(xs[c.rank], algorithm="oneshot"))
+    assert all(t.tobytes() == one[0].tobytes() for t in two)
+
+
+async def test_twoshot_back_to_back_with_other_mailbox_calls(rng: np.random.Generator) -> None:
+    """Forty calls issued before any completes: twoshot (two publications a call), oneshot and
+    broadcasts (loose publications) alternating: no slot is rewritten before every peer read it."""
+    size = 4
+    xs = [[values(rng, 3 + k % 50, np.int64) for _ in range(size)] for k in range(40)]
+
+    def issue3(comm: ahcomm.Comm, k: int) -> Any:
+        x = xs[k][comm.rank]
+        if k % 3 == 0:
+            return comm.broadcast(x, k % size, algorithm="oneshot")
+        return comm.all_reduce(x, algorithm="twoshot" if k % 3 == 1 else "oneshot")
+
+    async def body(comm: ahcomm.Comm) -> list[Any]:
+        return list(await asyncio.gather(*(issue3(comm, k) for k in range(40))))
+
+    results = await run_inproc(size, body)
+    for rank in range(size):
+        for k in range(40):
+            np.testing.assert_array_equal(results[rank][k], xs[k][k % size] if k % 3 == 0 else sum(xs[k]))

@@ -28,11 +28,11 @@ def test_every_algorithm_matches_numpy_inproc(name: str) -> None:
 @pytest.mark.parametrize("name", sorted(REGISTRY.algorithms))
 def test_every_algorithm_over_real_links(name: str, transport: str) -> None:
     """Every algorithm x its ops on 3 ranks over real links; mesh and star need mapped peer
-    buffers and oneshot and direct the host's mailboxes, so over rdma they are checked as refusing
+    buffers and oneshot, twoshot and direct the host's mailboxes, so over rdma they are checked as refusing
     (select) rather than run."""
     algorithm = REGISTRY.algorithms[name]
     hosts = two_servers if name == "hier" else None
-    if transport == "rdma" and name in ("mesh", "oneshot", "star", "direct"):
+    if transport == "rdma" and name in ("mesh", "oneshot", "twoshot", "star", "direct"):
         with pytest.raises(AssertionError, match="selected none"):
             check_algorithm(name, world_sizes=(3,), counts=(5,), transports=(transport,))
         return

@@ -28,6 +28,7 @@ from .rhd import RHD
 from .ring import Ring
 from .star import Star
 from .tree import Tree
+from .twoshot import TwoShot
 
 REGISTRY = Registry()
 REGISTRY.register(Ring())
@@ -41,6 +42,7 @@ REGISTRY.register(Tree())
 REGISTRY.register(Star())
 REGISTRY.register(Hierarchical())
 REGISTRY.register(OneShot())
+REGISTRY.register(TwoShot())
 REGISTRY.register(Eager())
 REGISTRY.register(Direct())
 
