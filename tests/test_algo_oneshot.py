@@ -334,3 +334,17 @@ async def test_twoshot_back_to_back_with_other_mailbox_calls(rng: np.random.Gene
     for rank in range(size):
         for k in range(40):
             np.testing.assert_array_equal(results[rank][k], xs[k][k % size] if k % 3 == 0 else sum(xs[k]))
+
+
+async def test_twoshot_mismatch_and_abort_fail_every_waiter() -> None:
+    """twoshot's publications carry the call's fingerprint like oneshot's: counts that differ
+    fail both ranks naming call #0; an abort fails the ranks waiting in the mailbox."""
+    comms = await ahcomm.init_inprocess(2)
+    try:
+        futs = [comms[0].all_reduce(np.ones(4, np.float32), algorithm="twoshot"),
+                comms[1].all_reduce(np.ones(6, np.float32), algorithm="twoshot")]
+        results = await asyncio.wait_for(asyncio.gather(*futs, return_exceptions=True), 20)
+        assert all(isinstance(r, ahcomm.CollectiveMismatchError) and "#0 mismatch" in str(r) for r in results), results
+    finally:
+        await asyncio.gather(*(c.close() for c in comms))
+    await abort_fails_the_waiters(lambda c: c.all_reduce(np.ones(4, np.float32), algorithm="twoshot"), 2)
