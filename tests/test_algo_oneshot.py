@@ -348,3 +348,29 @@ async def test_twoshot_mismatch_and_abort_fail_every_waiter() -> None:
     finally:
         await asyncio.gather(*(c.close() for c in comms))
     await abort_fails_the_waiters(lambda c: c.all_reduce(np.ones(4, np.float32), algorithm="twoshot"), 2)
+
+
+async def test_twoshot_abort_between_the_rounds(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A rank that aborts after its first publication, before its share's: the ranks waiting
+    for that share raise PeerFailure naming it, none hangs."""
+    from ahcomm.algorithms import twoshot
+
+    comms = await ahcomm.init_inprocess(3)
+    real, made = twoshot.publish, [0, 0, 0]
+
+    async def publish(ctx: Any, data: Any) -> Any:
+        made[ctx.rank] += 1
+        if ctx.rank == 2 and made[2] == 2:  # rank 2 read every input, then stops
+            comms[2].abort("stop")
+            raise RuntimeError("stopped between the rounds")
+        return await real(ctx, data)
+
+    monkeypatch.setattr(twoshot, "publish", publish)
+    try:
+        futs = [c.all_reduce(np.ones(4, np.float32), algorithm="twoshot") for c in comms]
+        got = await asyncio.wait_for(asyncio.gather(*futs, return_exceptions=True), 10)
+        assert made[:2] == [2, 2], made  # ranks 0 and 1 published their shares and waited for rank 2's
+        for r in (0, 1):
+            assert isinstance(got[r], ahcomm.PeerFailure) and "rank 2 aborted" in str(got[r]), got
+    finally:
+        await asyncio.gather(*(c.close() for c in comms), return_exceptions=True)
