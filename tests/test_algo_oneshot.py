@@ -374,3 +374,24 @@ async def test_twoshot_abort_between_the_rounds(monkeypatch: pytest.MonkeyPatch)
             assert isinstance(got[r], ahcomm.PeerFailure) and "rank 2 aborted" in str(got[r]), got
     finally:
         await asyncio.gather(*(c.close() for c in comms), return_exceptions=True)
+
+
+def test_twoshot_picked_where_the_results_say() -> None:
+    """The cost model's twoshot picks that README and results/2026-11-26-twoshot.md state: all_reduce
+    at 512 KiB-2 MiB on 4 ranks of 2 cores (oneshot below, star above), up to 1 MiB on 6 and 8,
+    never at 2 ranks."""
+    from ahcomm.algorithms import REGISTRY
+    from ahcomm.algorithms._selection import Selector
+    from ahcomm.algorithms.call import Call, Topology
+    from ahcomm.algorithms.cost import CostModel
+
+    def pick(n: int, kib: int) -> str:
+        topo = Topology(rank=0, size=n, hosts=("h",) * n, link_kinds=("self",) + ("sdma",) * (n - 1),
+                        all_mapped=True, single_copy=True, mailbox=mailbox.DEFAULT_CAPACITY)
+        call = Call(op="all_reduce", seq=0, dtype=np.dtype(np.float32), count=kib * 256)
+        return Selector(REGISTRY, "", CostModel(cores=2)).choose(call, topo).name
+
+    assert [pick(4, kib) for kib in (256, 512, 1024, 2048, 4096)] == \
+        ["oneshot", "twoshot", "twoshot", "twoshot", "star"]
+    assert pick(6, 1024) == pick(8, 1024) == "twoshot" != pick(6, 2048)
+    assert all(pick(2, kib) == "oneshot" for kib in (256, 1024, 2048, 8192))
