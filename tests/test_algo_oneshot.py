@@ -395,3 +395,19 @@ def test_twoshot_picked_where_the_results_say() -> None:
         ["oneshot", "twoshot", "twoshot", "twoshot", "star"]
     assert pick(6, 1024) == pick(8, 1024) == "twoshot" != pick(6, 2048)
     assert all(pick(2, kib) == "oneshot" for kib in (256, 1024, 2048, 8192))
+
+
+def test_twoshot_is_picked_only_where_it_was_measured() -> None:
+    """The selector gives it calls of at most 4 mailbox slots: with a core per rank the model
+    would take 8 MiB all_reduces from mesh on 4 ranks, unmeasured (forced, it runs any size)."""
+    from ahcomm.algorithms import REGISTRY
+    from ahcomm.algorithms._selection import Selector
+    from ahcomm.algorithms.call import Call, Topology
+    from ahcomm.algorithms.cost import CostModel
+
+    topo = Topology(rank=0, size=4, hosts=("h",) * 4, link_kinds=("self",) + ("sdma",) * 3,
+                    all_mapped=True, single_copy=True, mailbox=1 << 20)
+    sel = Selector(REGISTRY, "", CostModel(cores=4))
+    calls = [Call(op="all_reduce", seq=0, dtype=np.dtype(np.float32), count=mib << 18) for mib in (4, 8)]
+    assert [sel.choose(c, topo).name for c in calls] == ["twoshot", "mesh"]
+    assert REGISTRY.algorithms["twoshot"].select(calls[1], topo)

@@ -17,12 +17,16 @@ this rank's input. A call larger than a slot runs in slot-sized slices (the exec
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from ._mailbox_sync import arrivals, publish
 from .base import Algorithm, Call, Context, Resources, Topology, fold, split
 from .cost import CostModel, Work, npieces
 from .oneshot import STEP
+
+MAX_SLOTS = 4  # the largest call the selector gives it, in mailbox slots (4 MiB at the default): measured up to here
 
 
 class TwoShot(Algorithm):
@@ -47,6 +51,8 @@ class TwoShot(Algorithm):
         shares copied out (m - m / n)."""
         n = topo.size
         m = float(call.count * call.itemsize)
+        if m > MAX_SLOTS * topo.mailbox:  # beyond the range measured: never the selector's pick
+            return math.inf
         s = npieces(m, topo.mailbox)
         hop = model.hop(topo)
         steps = 2 * s * STEP + (s - 1) * (hop - 1.0)
