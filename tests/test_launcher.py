@@ -233,3 +233,25 @@ def test_plain_init_under_torchrun_needs_only_the_secret(tmp_path: Path) -> None
     assert proc.returncode == 0, proc.stdout + proc.stderr
     lines = re.findall(r"under torchrun (\d) (\d) (\d+)", proc.stdout)
     assert sorted(lines) == [("0", "2", "3")] * 2 + [("1", "2", "3")] * 2, proc.stdout + proc.stderr
+
+
+def test_free_port_is_below_the_ephemeral_range(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The rendezvous port comes from below the kernel's range for outgoing connections (a port
+    in it can be taken as a connection's source port before rank 0 binds it), is bindable, and
+    falls back to the kernel's pick where the range leaves no room."""
+    import socket
+
+    from ahcomm import run
+
+    low = run._ephemeral_low()
+    for _ in range(20):
+        port = run.free_port()
+        assert max(1024, low - 8192) <= port < low
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("127.0.0.1", port))
+    fake = tmp_path / "range"
+    fake.write_text("1025\t60999\n")
+    assert run._ephemeral_low(str(fake)) == 1025
+    assert run._ephemeral_low(str(tmp_path / "missing")) == 32768
+    monkeypatch.setattr(run, "_ephemeral_low", lambda: 1025)  # no room below: the kernel's pick
+    assert run.free_port() >= 1025
