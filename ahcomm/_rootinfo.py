@@ -47,9 +47,7 @@ def get_root_info(addr: str | None = None, port: int | None = None) -> str:
     """
     addr = addr or os.environ.get("AHCOMM_IF_IP") or _primary_address()
     if port is None:
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.bind((addr, 0))
-            port = int(s.getsockname()[1])
+        port = free_port(addr)
     secret = os.environ.get("AHCOMM_JOB_SECRET") or secrets.token_hex(32)
     packed = msgpack.packb([addr, int(port), secret])
     return PREFIX + base64.urlsafe_b64encode(packed).decode()
@@ -98,3 +96,31 @@ def config_from_rank_table(path: str, rank: int, base: Config, master_port: int 
         base, rank=rank, world_size=len(ranks), local_rank=local, local_world_size=len(server["device"]),
         master_addr=address(root_server), master_port=int(port), server_id=str(server["server_id"]),
         if_ip=address(server), torch_store=False)
+
+
+def free_port(addr: str = "127.0.0.1") -> int:
+    """A port nothing is bound to on ``addr``, for a rendezvous that rank 0 binds soon after:
+    one below the kernel's ephemeral range where one is free. A port from that range (what
+    binding port 0 gives) can be taken before rank 0 binds it, as the source port of any
+    outgoing connection on the host; a CI run saw rank 0 fail with "Address already in use"
+    after a test's other jobs had connected. Else one the kernel picks."""
+    low = _ephemeral_low()
+    for port in secrets.SystemRandom().sample(range(max(1024, low - 8192), low), 32) if low > 1024 + 32 else ():
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((addr, port))
+            except OSError:
+                continue
+            return port
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((addr, 0))
+        return int(s.getsockname()[1])
+
+
+def _ephemeral_low(path: str = "/proc/sys/net/ipv4/ip_local_port_range") -> int:
+    """The lowest port the kernel hands out for outgoing connections (Linux; 32768 elsewhere)."""
+    try:
+        with open(path) as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768

@@ -31,11 +31,11 @@ import asyncio
 import os
 import secrets
 import signal
-import socket
 import sys
 from collections.abc import Sequence
 
 from ._nodes import agree
+from ._rootinfo import free_port
 from ._runproc import Tagger, Watchdog, child_setup
 
 GRACE_SECONDS = 3.0
@@ -47,34 +47,6 @@ ON_FAILURE = ("stop", "continue", "restart")
 def job_secret(env: dict[str, str]) -> str:
     """The job's secret: the one the caller set, else a new one (64 hex digits)."""
     return env.get(SECRET_VAR) or secrets.token_hex(32)
-
-
-def free_port(addr: str = "127.0.0.1") -> int:
-    """A port nothing is bound to on ``addr``, for a rendezvous that rank 0 binds soon after:
-    one below the kernel's ephemeral range where one is free. A port from that range (what
-    binding port 0 gives) can be taken before rank 0 binds it, as the source port of any
-    outgoing connection on the host; a CI run saw rank 0 fail with "Address already in use"
-    after a test's other jobs had connected. Else one the kernel picks."""
-    low = _ephemeral_low()
-    for port in secrets.SystemRandom().sample(range(max(1024, low - 8192), low), 32) if low > 1024 + 32 else ():
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            try:
-                s.bind((addr, port))
-            except OSError:
-                continue
-            return port
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((addr, 0))
-        return int(s.getsockname()[1])
-
-
-def _ephemeral_low(path: str = "/proc/sys/net/ipv4/ip_local_port_range") -> int:
-    """The lowest port the kernel hands out for outgoing connections (Linux; 32768 elsewhere)."""
-    try:
-        with open(path) as f:
-            return int(f.read().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 32768
 
 
 def torch_store_port(addr: str, port: int, *, single_host: bool) -> int:

@@ -241,7 +241,7 @@ def test_free_port_is_below_the_ephemeral_range(tmp_path: Path, monkeypatch: pyt
     falls back to the kernel's pick where the range leaves no room."""
     import socket
 
-    from ahcomm import run
+    from ahcomm import _rootinfo as run  # ahcomm.run.free_port is this one
 
     low = run._ephemeral_low()
     for _ in range(20):
