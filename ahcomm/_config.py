@@ -21,6 +21,14 @@ def usable_cores() -> int:
     except (AttributeError, OSError):
         return os.cpu_count() or 1
 
+def copy_engine_mode(env: Mapping[str, str] | None = None) -> str:
+    """AHCOMM_COPY_ENGINE: ``auto`` (the default), ``on`` or ``off``."""
+    env = os.environ if env is None else env
+    mode = env.get("AHCOMM_COPY_ENGINE", "auto").strip().lower() or "auto"
+    if mode not in ("auto", "on", "off"):
+        raise ConfigError(f"AHCOMM_COPY_ENGINE must be auto, on or off, got {mode!r}")
+    return mode
+
 # Each tuple is tried in order; the first variable that is set wins.
 _RANK_VARS = ("AHCOMM_RANK", "RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "SLURM_PROCID")
 _SIZE_VARS = ("AHCOMM_WORLD_SIZE", "WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_NTASKS")
@@ -139,9 +147,7 @@ class Config:
         transport = env.get("AHCOMM_TRANSPORT", "auto").strip().lower() or "auto"
         if transport not in ("auto", "sdma", "rdma"):
             raise ConfigError(f"AHCOMM_TRANSPORT={transport!r}: expected auto, sdma or rdma")
-        engines = env.get("AHCOMM_COPY_ENGINE", "auto").strip().lower() or "auto"
-        if engines not in ("auto", "on", "off"):  # read by the streams (_stream.engine_bytes_for); checked early
-            raise ConfigError(f"AHCOMM_COPY_ENGINE must be auto, on or off, got {engines!r}")
+        copy_engine_mode(env)  # read by the streams (_stream.engine_bytes_for); checked here, early
         addr = _first(env, _ADDR_VARS)
         if addr is not None:
             _address(env, addr[0], addr[1])

@@ -31,7 +31,6 @@ nothing else.
 from __future__ import annotations
 
 import asyncio
-import os
 from collections import deque
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -40,8 +39,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ._config import usable_cores
-from ._errors import ConfigError
+from ._config import copy_engine_mode, usable_cores
 from ._notify import Notify
 from ._trace import TaskFn as TaskFn  # a stream task; re-exported for the algorithms
 
@@ -60,9 +58,7 @@ def engine_bytes_for(ranks_here: int) -> int:
     1.5-1.8, context switches 47-53 against 17-20); at 2 ranks on 2 cores mesh all_reduce 64 MiB
     11.4-14.6 ms inline against 15.0-17.1 (benchmarks/results/2026-11-26-inline-copies.md).
     ``AHCOMM_COPY_ENGINE`` (``auto``, ``on``, ``off``) overrides."""
-    mode = os.environ.get("AHCOMM_COPY_ENGINE", "auto").strip().lower() or "auto"
-    if mode not in ("auto", "on", "off"):
-        raise ConfigError(f"AHCOMM_COPY_ENGINE must be auto, on or off, got {mode!r}")
+    mode = copy_engine_mode()
     if mode == "auto":
         mode = "on" if ranks_here < usable_cores() else "off"
     return ENGINE_THRESHOLD if mode == "on" else NO_ENGINE

@@ -156,7 +156,7 @@ class World:
         self.net = SimNetwork(self.loop, k, params, contention=contention, check=check,
                               cores=model.cores if cpu else 0, task=model.task if host else 0.0,
                               engine=model.engine if host else 0.0,
-                              engine_bytes=ENGINE_THRESHOLD if model.cores <= 0 or here < model.cores else NO_ENGINE,
+                              engine_bytes=ENGINE_THRESHOLD if model.engines_at(here) else NO_ENGINE,
                               crowd=model.crowd if host else 1.0, copy=model.copy if host else 0.0)
         size = CHECK_BUFFSIZE if check else BUFFSIZE
         if check:

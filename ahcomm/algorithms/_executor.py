@@ -110,11 +110,10 @@ class Executor:
         self.tracer = Tracer.from_env(rank, size)  # AHCOMM_TRACE; None: off, and nothing is timed
         if self.tracer is not None:
             self.run = self.tracer.runner(self.run)  # type: ignore[method-assign, assignment]
-        self._host_floor = 0  # ranks on this host that the topology may not show (``share_host``)
-        self.host_ranks = _ranks_here(topo)  # ranks of the job on this host
-        self.engine_bytes = engine_bytes_for(self.host_ranks)
-        self.main = Stream("main", inline=True, tracer=self.tracer, engine_bytes=self.engine_bytes)
+        self.main = Stream("main", inline=True, tracer=self.tracer)
         self.subs: list[Stream] = []
+        self._host_floor = 0  # ranks on this host that the topology may not show (``share_host``)
+        self._copy_policy()  # host_ranks, engine_bytes
         self.bind()
         self._unmapped = [link for link in links.values() if not link.mapped]
         self._ctx: Context | None = None  # the run in progress (abort fails its local notifies)
@@ -162,7 +161,7 @@ class Executor:
 
     def _copy_policy(self) -> None:
         """Where the host's ranks fill its cores the streams copy inline (``engine_bytes_for``)."""
-        self.host_ranks = max(_ranks_here(self.topo), self._host_floor)
+        self.host_ranks = max(_ranks_here(self.topo), self._host_floor)  # ranks of the job on this host
         self.engine_bytes = engine_bytes_for(self.host_ranks)
         for stream in (self.main, *self.subs):
             stream.engine_bytes = self.engine_bytes

@@ -101,9 +101,14 @@ class CostModel:
         return max(counts.values(), default=1)
 
     def engines_on(self, topo: Topology) -> bool:
-        """Whether the streams hand big memory tasks to copy engines: not where the most crowded
-        host has as many ranks as cores or more (they copy inline: ``ahcomm._stream.engine_bytes_for``)."""
-        return self.cores <= 0 or self.per_host(topo) < self.cores
+        """Whether the streams hand big memory tasks to copy engines on ``topo``'s most crowded host."""
+        return self.engines_at(self.per_host(topo))
+
+    def engines_at(self, ranks_here: int) -> bool:
+        """Whether the streams of ``ranks_here`` ranks sharing a host hand big memory tasks to copy
+        engines: not where they are as many as its cores or more (they copy inline:
+        ``ahcomm._stream.engine_bytes_for``); always where the cores are unknown."""
+        return self.cores <= 0 or ranks_here < self.cores
 
     def engine_cost(self, topo: Topology) -> float:
         """Seconds per memory task handed to a stream's copy engine: ``engine``, or nothing where
