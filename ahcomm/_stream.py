@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ._config import copy_engine_mode, usable_cores
+from ._memcopy import copy
 from ._notify import Notify
 from ._trace import TaskFn as TaskFn  # a stream task; re-exported for the algorithms
 
@@ -197,7 +198,7 @@ class Stream:
 
     # -- execution ----------------------------------------------------------------------
     def _copy(self, dst: np.ndarray, src: np.ndarray) -> "Awaitable[Any] | None":
-        return self.memory(np.copyto, dst, src)
+        return self.memory(copy, dst, src)
 
     def _reduce(self, ufunc: np.ufunc, dst: np.ndarray, a: np.ndarray, b: np.ndarray) -> "Awaitable[Any] | None":
         return self.memory(ufunc, a, b, out=dst)

@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from .._buffers import CclBuffers
+from .._memcopy import copy
 from .._stream import Stream, engine_bytes_for
 from .._trace import Tracer
 from ..transports.base import Link, LinkEvents, Mailboxes
@@ -193,7 +194,7 @@ class Executor:
             if ready is not None:
                 await ready(0, src.size)
             if not inplace and src.size == dst.size:
-                np.copyto(dst, src)
+                copy(dst, src)
             self._report(call, communicated=False)
             return
         if algorithm.waits_progress:

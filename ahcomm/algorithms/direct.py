@@ -46,6 +46,7 @@ from typing import Any
 import numpy as np
 
 from .._config import usable_cores as _cores  # a name tests replace
+from .._memcopy import copy
 from ..transports.base import DataLink
 from . import _mailbox_sync as sync
 from .base import Algorithm, Call, Context, Resources, Topology
@@ -207,7 +208,7 @@ Move = tuple[int, Callable[[int, int, _Later], None]]  # (bytes, queue the copy 
 
 def _copying(dst: np.ndarray, src: np.ndarray) -> Move:
     to, of = (a.reshape(-1).view(np.uint8) for a in (dst, src))
-    return to.nbytes, lambda lo, hi, later: later(np.copyto, to[lo:hi], of[lo:hi])
+    return to.nbytes, lambda lo, hi, later: later(copy, to[lo:hi], of[lo:hi])
 
 
 def _reading(link: DataLink, dst: np.ndarray, addr: int) -> Move:

@@ -25,8 +25,7 @@ lost or an abort fails the run's wake-up notify, so a waiting rank raises at onc
 
 from __future__ import annotations
 
-import numpy as np
-
+from .._memcopy import copy
 from ._mailbox_sync import arrivals, publish
 from .base import Algorithm, Call, Context, Resources, Topology, fold
 from .cost import CostModel, Work, npieces
@@ -102,7 +101,7 @@ class OneShot(Algorithm):
         if op == "broadcast" and r != call.root:  # the root's publication is all it reads
             await arrivals(ctx, tick, (call.root,))
             box.loose = (tick, seq, ctx.fingerprint)
-            np.copyto(dst, box.payload(call.root, tick).view(call.dtype).reshape(dst.shape))
+            copy(dst, box.payload(call.root, tick).view(call.dtype).reshape(dst.shape))
             return
         await arrivals(ctx, tick)
         if op == "barrier":
@@ -110,11 +109,11 @@ class OneShot(Algorithm):
         dtype = call.dtype
         if op == "broadcast":
             if dst is not src:
-                np.copyto(dst, src)
+                copy(dst, src)
             return
         if op == "all_gather":  # dst: (n, slice)
             for p in range(n):
-                np.copyto(dst[p], (mine if p == r else box.payload(p, tick)).view(dtype))
+                copy(dst[p], (mine if p == r else box.payload(p, tick)).view(dtype))
             return
         assert ctx.ufunc is not None
         ufunc = ctx.ufunc

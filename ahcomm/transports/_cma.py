@@ -9,9 +9,12 @@ It needs ptrace-level permission over the peer (same user, no restrictive Yama p
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 
 import numpy as np
+
+from .._memcopy import read_bounced
 
 
 class _IoVec(ctypes.Structure):
@@ -27,7 +30,13 @@ if _readv is not None:
 
 
 def read(pid: int, dst: np.ndarray, addr: int) -> None:
-    """Copy ``dst.nbytes`` bytes at ``addr`` in process ``pid`` into ``dst`` (contiguous)."""
+    """Copy ``dst.nbytes`` bytes at ``addr`` in process ``pid`` into ``dst`` (contiguous); a
+    misaligned pair through a bounce buffer (``_memcopy.read_bounced``: the kernel copies each
+    page with ``rep movsb``)."""
+    read_bounced(dst, addr, functools.partial(_read, pid))
+
+
+def _read(pid: int, dst: np.ndarray, addr: int) -> None:
     if _readv is None:
         raise OSError("process_vm_readv is not available")
     done, total, base = 0, dst.nbytes, dst.ctypes.data

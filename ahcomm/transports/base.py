@@ -50,6 +50,7 @@ import numpy as np
 
 from .._buffers import CclBuffers
 from .._errors import TransportError
+from .._memcopy import copy
 from .._notify import Notify
 
 
@@ -461,7 +462,7 @@ class MappedAccess:
         data = as_bytes(src)
         self.bytes_sent += data.nbytes
         dst = self._remote[BUFFER_IDS[buf]][offset:offset + data.nbytes]
-        return run(np.copyto, dst, data)
+        return run(copy, dst, data)
 
 
 def as_bytes(array: np.ndarray) -> np.ndarray:

@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from .._buffers import CclBuffers
+from .._memcopy import read_bounced
 from .base import (
     EAGER_BYTES,
     MAX_CONTROL,
@@ -31,6 +32,10 @@ from .base import (
 
 
 def _memmove(dst: np.ndarray, addr: int) -> None:
+    read_bounced(dst, addr, _raw_memmove)
+
+
+def _raw_memmove(dst: np.ndarray, addr: int) -> None:
     ctypes.memmove(dst.ctypes.data, addr, dst.nbytes)
 
 

@@ -47,6 +47,7 @@ from typing import Any, Literal, Protocol
 import numpy as np
 
 from .._config import usable_cores
+from .._memcopy import copy
 
 HEADER = 64  # bytes of a slot's header (a cache line): int64 flag and seq, uint32 fingerprint and size
 SLOTS = 2  # one slot per sequence-number parity
@@ -249,7 +250,7 @@ class Mailbox:
             if nbytes > self.capacity:
                 raise ValueError(f"mailbox: {nbytes} bytes do not fit a slot of {self.capacity}")
             if nbytes:
-                np.copyto(payload[:nbytes].view(data.dtype).reshape(data.shape), data)
+                copy(payload[:nbytes].view(data.dtype).reshape(data.shape), data)
         meta = self._meta[self.rank][slot]
         meta[0] = fingerprint
         meta[1] = nbytes

@@ -1,0 +1,75 @@
+"""Byte copies that stay off the CPU's slow string-copy case.
+
+``numpy.copyto`` of contiguous memory is glibc's ``memmove``, which copies pieces of 2 KiB up
+to about 1 MiB with ``rep movsb``; the kernel's ``process_vm_readv`` copies every page with it.
+On this host (AMD EPYC, FSRM) that instruction runs 2-6x slower where the destination lies
+1-31 bytes past a multiple of 64 from the source. Measured out of cache, 512 KiB pieces of a
+16 MiB copy, GB/s by ``(dst - src) % 64``: 0: 21.2, 8: 3.1, 16: 7.2, 24: 7.3, 32: 21.3,
+40-56: 16-19; ``process_vm_readv``: 0: 13.0, 8: 3.0, 16: 6.5, 24: 6.4, 32-56: 12.3-13.0.
+numpy's own vector loop (``np.positive`` over uint8) runs 18-19 GB/s at every offset
+(results/2026-11-26-aligned-copies.md).
+
+The case is common: numpy places a large array 16 bytes past a page, while CCL buffers,
+mailbox slots and torch tensors start on 64 bytes, and arrays from the heap or sliced at an
+odd element fall anywhere. ``copy`` takes the vector loop for such a pair; ``read_bounced``
+lets a single-copy read go through a small buffer placed at the source's alignment (the
+kernel's copy fast) and then the vector loop (process_vm_readv at +16: 6.4-6.6 GB/s
+directly, 8.3 through 1 MiB; at +8: 3.2 against 8.0).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+import numpy as np
+
+LINE = 64  # rep movsb is slow where 0 < (dst - src) % LINE < LINE // 2
+MIN_BYTES = 2048  # below this glibc copies with vector moves anyway (x86_rep_movsb_threshold 2112)
+BOUNCE_BYTES = 1 << 20  # a bounced read's piece: stays in the 2 MiB L2 between its two copies
+
+
+def misaligned(dst_addr: int, src_addr: int, nbytes: int) -> bool:
+    """Whether a copy of ``nbytes`` from ``src_addr`` to ``dst_addr`` would hit the slow case."""
+    return nbytes >= MIN_BYTES and 0 < (dst_addr - src_addr) % LINE < LINE // 2
+
+
+def _flat(array: np.ndarray) -> np.ndarray:
+    return array.reshape(-1).view(np.uint8)
+
+
+def copy(dst: np.ndarray, src: np.ndarray) -> None:
+    """``np.copyto(dst, src)``; a large contiguous copy of the same dtype whose addresses are
+    misaligned (``misaligned``) and that do not overlap runs numpy's vector loop instead."""
+    if (misaligned(dst.ctypes.data, src.ctypes.data, dst.nbytes) and dst.dtype == src.dtype
+            and dst.shape == src.shape and dst.flags.c_contiguous and src.flags.c_contiguous
+            and not np.may_share_memory(dst, src)):
+        np.positive(_flat(src), out=_flat(dst))
+        return
+    np.copyto(dst, src)
+
+
+class _Bounce(threading.local):
+    buf: np.ndarray | None = None
+
+
+_bounce = _Bounce()
+
+
+def read_bounced(dst: np.ndarray, addr: int, read: Callable[[np.ndarray, int], None]) -> None:
+    """Fill the contiguous ``dst`` from ``addr`` with ``read(into, addr)`` (a raw single-copy
+    read): directly where the two are aligned, else in ``BOUNCE_BYTES`` pieces through this
+    thread's bounce buffer, placed at ``addr``'s alignment, copied out with the vector loop."""
+    raw = _flat(dst)
+    if not misaligned(raw.ctypes.data, addr, raw.nbytes):
+        read(raw, addr)
+        return
+    buf = _bounce.buf
+    if buf is None:
+        buf = _bounce.buf = np.empty(BOUNCE_BYTES + LINE, np.uint8)
+    for lo in range(0, raw.nbytes, BOUNCE_BYTES):
+        hi = min(lo + BOUNCE_BYTES, raw.nbytes)
+        at = (addr + lo - buf.ctypes.data) % LINE
+        piece = buf[at:at + hi - lo]
+        read(piece, addr + lo)
+        np.positive(piece, out=raw[lo:hi])

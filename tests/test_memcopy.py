@@ -1,0 +1,121 @@
+"""Copies that keep off rep movsb's slow case (ahcomm._memcopy) and the reads built on them."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+
+import numpy as np
+import pytest
+
+from ahcomm import _memcopy
+from ahcomm._memcopy import BOUNCE_BYTES, LINE, copy, misaligned, read_bounced
+from ahcomm.transports import _cma
+from ahcomm.transports.inproc import _memmove
+
+SIZES = [0, 1, 2047, 2048, 4099, (1 << 20) + 7]
+
+
+def _at(buf: np.ndarray, offset: int, nbytes: int) -> np.ndarray:
+    """``nbytes`` of ``buf`` starting ``offset`` bytes past a multiple of 64."""
+    start = (-buf.ctypes.data) % LINE + offset
+    return buf[start:start + nbytes]
+
+
+def test_the_slow_case_is_a_destination_1_to_31_bytes_past_the_source() -> None:
+    assert [d for d in range(64) if misaligned(1000 * 64 + d, 1000 * 64, 4096)] == list(range(1, 32))
+    assert not misaligned(16, 0, _memcopy.MIN_BYTES - 1)  # small copies: glibc's vector moves
+    assert misaligned(0, 48, 4096) and not misaligned(48, 0, 4096)
+
+
+@pytest.mark.parametrize("nbytes", SIZES)
+def test_copy_equals_copyto_at_every_offset(nbytes: int) -> None:
+    rng = np.random.default_rng(nbytes)
+    src_buf = rng.integers(0, 256, nbytes + 2 * LINE, dtype=np.uint8)
+    dst_buf = np.zeros(nbytes + 2 * LINE, np.uint8)
+    src = _at(src_buf, 0, nbytes)
+    for offset in range(0, LINE, 1 if nbytes < 1 << 20 else 8):
+        dst = _at(dst_buf, offset, nbytes)
+        dst[:] = 0
+        copy(dst, src)
+        assert np.array_equal(dst, src), offset
+
+
+def test_copy_keeps_copytos_meaning_for_other_arrays() -> None:
+    a = np.arange(10_000, dtype=np.float64)
+    want = a.copy()
+    want[1:] = want[:-1].copy()
+    copy(a[1:], a[:-1])  # overlapping, 8 bytes apart: memmove's semantics
+    assert np.array_equal(a, want)
+    out = np.zeros((100, 100), np.float32)
+    copy(out, np.arange(100, dtype=np.float32))  # broadcast
+    assert np.array_equal(out[7], np.arange(100))
+    col = np.zeros((1000, 3), np.float32)
+    copy(col[:, 1], np.ones(1000, np.float32))  # strided destination
+    assert col[:, 1].all() and not col[:, 0].any()
+    f16 = np.zeros(5000, np.float16)
+    copy(f16, np.full(5000, 2.5, np.float64))  # a cast
+    assert (f16 == 2.5).all()
+
+
+def test_a_misaligned_copy_takes_the_vector_loop(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = []
+    real = np.copyto
+    monkeypatch.setattr(np, "copyto", lambda dst, src, **kw: (calls.append(dst.nbytes), real(dst, src, **kw)))
+    src_buf, dst_buf = np.ones(9000, np.uint8), np.zeros(9000, np.uint8)
+    copy(_at(dst_buf, 16, 8192), _at(src_buf, 0, 8192))
+    assert calls == [] and _at(dst_buf, 16, 8192).all()
+    copy(_at(dst_buf, 48, 8192), _at(src_buf, 0, 8192))  # 48 past: rep movsb is fast there
+    assert calls == [8192]
+
+
+def _fake_kernel(calls: list[tuple[int, int, int]]):  # type: ignore[no-untyped-def]
+    def read(dst: np.ndarray, addr: int) -> None:
+        calls.append((dst.ctypes.data, addr, dst.nbytes))
+        ctypes.memmove(dst.ctypes.data, addr, dst.nbytes)
+    return read
+
+
+@pytest.mark.parametrize("nbytes", [100, 2048, 5000, 3 * BOUNCE_BYTES + 11])
+@pytest.mark.parametrize("offset", [0, 8, 16, 31, 32, 48])
+def test_read_bounced_gives_the_kernel_aligned_pairs(nbytes: int, offset: int) -> None:
+    src = _at(np.random.default_rng(offset).integers(0, 256, nbytes + 2 * LINE, dtype=np.uint8), 0, nbytes)
+    dst = _at(np.zeros(nbytes + 2 * LINE, np.uint8), offset, nbytes)
+    calls: list[tuple[int, int, int]] = []
+    read_bounced(dst, src.ctypes.data, _fake_kernel(calls))
+    assert np.array_equal(dst, src)
+    if misaligned(dst.ctypes.data, src.ctypes.data, nbytes):
+        assert len(calls) == -(-nbytes // BOUNCE_BYTES)
+        assert all(not misaligned(into, addr, size) and size <= BOUNCE_BYTES for into, addr, size in calls)
+    else:
+        assert calls == [(dst.ctypes.data, src.ctypes.data, nbytes)]
+
+
+def test_cma_read_hands_the_kernel_aligned_pairs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """process_vm_readv copies each page with rep movsb: a misaligned read goes through the bounce
+    buffer (the old code handed the kernel the 16-byte misaligned pair)."""
+    seen: list[tuple[int, int]] = []
+    real = _cma._readv
+    if real is None:
+        pytest.skip("no process_vm_readv")
+
+    def spy(pid, local, nlocal, remote, nremote, flags):  # type: ignore[no-untyped-def]
+        seen.append((local._obj.base, remote._obj.base))  # ctypes.byref(_IoVec)
+        return real(pid, local, nlocal, remote, nremote, flags)
+    monkeypatch.setattr(_cma, "_readv", spy)
+    src = _at(np.arange(300_000, dtype=np.uint8), 0, 200_000)
+    dst = _at(np.zeros(300_000, np.uint8), 16, 200_000)
+    try:
+        _cma.read(os.getpid(), dst, src.ctypes.data)
+    except OSError as exc:
+        pytest.skip(f"process_vm_readv on this process is not permitted here: {exc}")
+    assert np.array_equal(dst, src)
+    assert seen and all((local - remote) % LINE == 0 for local, remote in seen)
+
+
+@pytest.mark.parametrize("offset", [0, 8, 24, 40])
+def test_inproc_read_at_any_offset(offset: int) -> None:
+    src = _at(np.random.default_rng(1).integers(0, 256, 70_000, dtype=np.uint8), 0, 66_000)
+    dst = _at(np.zeros(70_000, np.uint8), offset, 66_000)
+    _memmove(dst, src.ctypes.data)
+    assert np.array_equal(dst, src)
