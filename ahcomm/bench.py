@@ -152,7 +152,7 @@ class Case:
         out_count = self.block * n if op in ("all_gather", "gather", "all_to_all") else self.block
         # Every page written once: an untouched np.zeros maps the kernel's shared zero page, which
         # an op that only reads its input (all_gather, a broadcast's root) reads from the cache
-        # (np=4 32 MiB all_gather: 7.4-8.9 ms a call untouched against 9.2-11 with its pages).
+        # (np=2 32 MiB all_gather: 2.9-3.2 ms a call untouched against 4.3-4.8 with its pages).
         self.src = _touched(in_count, dtype)
         if inplace and op in ("all_reduce", "broadcast", "reduce"):
             self.dst: np.ndarray | None = self.src if rooted_out else None
