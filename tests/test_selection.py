@@ -18,7 +18,7 @@ import pytest
 from ahcomm.algorithms import REGISTRY, Algorithm, Call, Context, Registry, Topology
 from ahcomm.algorithms._selection import Selector
 from ahcomm.algorithms.base import WHOLE
-from ahcomm.algorithms.cost import MODEL_VERSION, CostModel, LinkCost, Work, load
+from ahcomm.algorithms.cost import HALF_BYTES, MODEL_VERSION, CostModel, LinkCost, Work, engine_tasks, load, npieces
 from ahcomm.algorithms.direct import Direct
 from ahcomm.algorithms.mesh import Mesh
 from ahcomm.algorithms.nb import NB
@@ -88,6 +88,29 @@ def test_oversubscribed_host_prefers_star_for_small_all_reduce() -> None:
     """With 4 ranks on 2 cores, mesh's all-to-all notifies cost more than star's extra step."""
     assert pick("all_reduce", "sdma", 4, 8) == "mesh"
     assert pick("all_reduce", "sdma", 4, 8, CostModel(cores=2)) == "star"
+
+
+def test_star_prices_its_crowded_copies_in_phases() -> None:
+    """star's all_reduce: every rank stages at once and all but the centre copy the result out
+    at once; where ranks outnumber cores those copies wait for a core. With a core per rank the
+    estimate is the single-phase sum (two copies, the centre's reduction). The old estimate
+    counted two busy ranks for the whole call and picked star at 16-64 MiB on 2 cores, where
+    mesh measured 25-55% faster (np=4 32 MiB 16757-17227 us against 22904-23043; np=6 64 MiB
+    53553 against 119412: results/2026-11-26-star-phases.md)."""
+    m, n = 32 << 20, 4
+    roomy, crowded = CostModel(cores=8), CostModel(cores=2)
+    c = call("all_reduce", n, m)
+    star = Star()
+    s = npieces(m, HALF_BYTES)
+    one_phase = Work(rounds=3 * s - 1, copied=2 * m, reduced=(n - 1) * m, tasks=s * n + (s - 1) * (n - 1),
+                     engines=(n + 1) * s * engine_tasks(m / s), busy=2)
+    assert star.cost(c, topo("sdma", n), roomy) == pytest.approx(one_phase.seconds(roomy, topo("sdma", n)))
+    # 4 ranks on 2 cores: the staging copy takes twice as long, the copy-out 1.5 times
+    extra = star.cost(c, topo("sdma", n), crowded) - one_phase.seconds(crowded, topo("sdma", n))
+    assert extra == pytest.approx(1.5 * m * crowded.copy)
+    for n, nbytes in ((4, 16 << 20), (4, 32 << 20), (6, 32 << 20), (6, 64 << 20), (8, 64 << 20)):
+        assert pick("all_reduce", "sdma", n, nbytes, crowded) == "mesh", (n, nbytes)
+    assert pick("all_reduce", "sdma", 4, 8, crowded) == "star"  # small calls: unchanged
 
 
 def test_no_engine_hand_offs_where_ranks_fill_the_cores() -> None:

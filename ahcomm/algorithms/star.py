@@ -109,14 +109,21 @@ class Star(Algorithm):
         subs = min(topo.size - 1, FAN) if call.op in FANNED else 0
         return Resources(substreams=subs, max_count=max(1, per))  # whole ops ignore max_count
 
-    def work(self, call: Call, topo: Topology, model: CostModel, whole: float, block: float) -> Work:
+    def work(self, call: Call, topo: Topology, model: CostModel, whole: float, block: float) -> Work | float:
         """The module docstring's costs along the critical path, every byte a copy (staging, or
         reading or writing a peer's mapped buffer): owners stage in parallel, one step, the
         reader copies out, from up to ``FAN`` owners at once. One rank does most of the work,
         the others little (``busy``): all_reduce 2 a + 2 m c + (n - 1) m g, n notifies in a
         row; reduce a + m c + (n - 1) m g; broadcast a + 2 m c; gather, scatter, all_gather
         a + (M + m) c (M: all blocks). Data beyond a CCL half goes in rounds of one half, each
-        closed by an Ack step."""
+        closed by an Ack step.
+
+        all_reduce and reduce are priced in phases, each with the ranks that work in it: the
+        centre's reduction as one of two busy ranks, the staging with every owner copying at
+        once, the all_reduce's copy-out with every rank but the centre. Where ranks outnumber
+        cores those copies wait for a core (np=4 on 2 cores, float32 all_reduce, us a call:
+        16 MiB star 12287-12884, mesh 9430-9703; 32 MiB 22904-23043 against 16757-17227;
+        results/2026-11-26-star-phases.md); with a core per rank this is the old single-phase sum."""
         n, op = topo.size, call.op
         peers, fan = n - 1, min(n - 1, FAN)
         staged = whole if op in ("all_reduce", "reduce", "broadcast") else block
@@ -124,12 +131,14 @@ class Star(Algorithm):
         acks = (s - 1) * peers  # readers free the buffers between rounds
         big = s * engine_tasks(staged / s)  # one memory task per round
         reads = -(-peers // fan)  # reads (writes) one stream makes in a round
-        if op == "all_reduce":  # stage, the centre reduces everything, every rank copies the result
-            work = Work(rounds=3 * s - 1, copied=2 * whole, reduced=peers * whole, tasks=s * n + acks,
-                        engines=(n + 1) * big, busy=2)
-        elif op == "reduce":  # the peers stage, the root reduces
-            work = Work(rounds=2 * s - 1, copied=whole, reduced=peers * whole, tasks=s + acks, engines=n * big, busy=2)
-        elif op == "broadcast":  # the root stages, every other rank copies out
+        if op == "all_reduce":  # every rank stages, the centre reduces everything, the others copy the result out
+            centre = Work(rounds=3 * s - 1, reduced=peers * whole, tasks=s * n + acks, engines=(n + 1) * big, busy=2)
+            return (centre.seconds(model, topo) + Work(copied=whole).seconds(model, topo)
+                    + Work(copied=whole, busy=peers).seconds(model, topo))
+        if op == "reduce":  # the peers stage, the root reduces
+            centre = Work(rounds=2 * s - 1, reduced=peers * whole, tasks=s + acks, engines=n * big, busy=2)
+            return centre.seconds(model, topo) + Work(copied=whole, busy=peers).seconds(model, topo)
+        if op == "broadcast":  # the root stages, every other rank copies out
             work = Work(rounds=2 * s - 1, copied=2 * whole, tasks=s * peers + acks, engines=2 * big, busy=peers)
         elif op in ("scatter", "scatter_v"):  # the root writes every block into its owner's CCL_In
             work = Work(rounds=2 * s - 1, copied=whole + block, tasks=s * peers + acks, engines=(reads + 1) * big,
