@@ -56,10 +56,13 @@ from .oneshot import STEP, OneShot
 OPS = frozenset({"broadcast", "all_gather"})
 # One copy's bytes at most where a run has several moves (all_gather: the local copy and a read of
 # each peer's block, interleaved chunk by chunk: ``_chunks``; a failed peer is noticed between
-# chunks). Measured, two processes, np=2 all_gather of 32 MiB blocks, copy then read per chunk:
-# 512 KiB 7.58-8.39 ms, 1 MiB 7.84, 2 MiB 7.91, 4 MiB 8.16; rows whole 8.87-9.30
-# (results/2026-11-25-bw3.md).
-CHUNK_BYTES = 512 << 10
+# chunks). Each piece costs Python, a ctypes call and, oversubscribed, a sched_yield: with the
+# copies stubbed out a 32 MiB np=4 call cost 0.54-0.62 ms of CPU per rank in 512 KiB chunks,
+# 0.30-0.35 in 2 MiB. With real copies and inputs whose pages are written (3 interleaved rounds,
+# CPU ms per rank): np=4 32 MiB 4.3-4.9 in 512 KiB chunks, 4.0-4.4 in 2 MiB; np=2 32 MiB 4.2-4.4
+# against 3.1-4.2; 1-4 MiB level (results/2026-11-26-aligned-copies.md). (The 512 KiB of
+# results/2026-11-25-bw3.md was chosen on inputs that may have been the kernel's zero page.)
+CHUNK_BYTES = 2 << 20
 # A lone move (a broadcast reader's read, a root's copy) has nothing to interleave: it goes in
 # slices of at most this, split among the lanes. Measured at 64 MiB, np=2, load 1-2: slices of
 # 4 MiB 11.5-12.0 GB/s, of 32 MiB 13.6-13.9 (mesh's two halves 13.1-14.0).
@@ -224,7 +227,7 @@ def _chunks(moves: list[Move], chunk: int) -> list[list[Callable[[], Any]]]:
     moves' order. Every rank walks its rows alike, so a block's chunk is read while its owner's
     local copy (or another reader's read) of it is in the cache, and comes out of memory about
     once (np=2, 32 MiB blocks: 7.6-8.4 ms in 512 KiB chunks, 8.9-9.3 rows whole;
-    results/2026-11-25-bw3.md)."""
+    results/2026-11-25-bw3.md; ``CHUNK_BYTES`` says why the chunks are now 2 MiB)."""
     chunks = []
     for lo in range(0, max((nbytes for nbytes, _ in moves), default=0), chunk):
         later = _Later()
