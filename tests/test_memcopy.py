@@ -119,3 +119,50 @@ def test_inproc_read_at_any_offset(offset: int) -> None:
     dst = _at(np.zeros(70_000, np.uint8), offset, 66_000)
     _memmove(dst, src.ctypes.data)
     assert np.array_equal(dst, src)
+
+
+def test_copy_of_references_and_array_likes_is_copytos() -> None:
+    """Object arrays (or fields) have no uint8 view and hold counted references: the old code
+    took the vector loop for them where the addresses were 8, 16 or 56 bytes apart and raised
+    TypeError; and a list or scalar source (np.copyto takes any array_like) raised AttributeError."""
+    src = np.array([str(i) for i in range(1000)], dtype=object)
+    buf = np.empty(1100, object)
+    for k in range(8):  # the destination 8 k bytes further each time: every offset mod 64
+        dst = buf[k:k + 1000]
+        copy(dst, src)
+        assert list(dst) == list(src), k
+    rows = np.dtype([("a", object), ("b", np.float64)])  # 16-byte items
+    src_rows = np.zeros(500, rows)
+    src_rows["a"] = "x"
+    for k in range(4):
+        dst_rows = np.zeros(600, rows)[k:k + 500]
+        copy(dst_rows, src_rows)
+        assert all(v == "x" for v in dst_rows["a"]), k
+    dst8 = _at(np.zeros(10_000, np.uint8), 8, 4096)
+    copy(dst8, 7)
+    assert (dst8 == 7).all()
+    floats = dst8.view(np.float32)
+    copy(floats, [2.5] * floats.size)
+    assert (floats == 2.5).all()
+
+
+class _Counted(np.ndarray):
+    """An array that counts how often its address (``.ctypes``) is asked for."""
+
+    asked = 0
+
+    @property
+    def ctypes(self):  # type: ignore[no-untyped-def, override]
+        _Counted.asked += 1
+        return super().ctypes
+
+
+@pytest.mark.parametrize("nbytes", [8, 64, 1024, _memcopy.MIN_BYTES - 1])
+def test_small_copies_ask_for_no_address(nbytes: int) -> None:
+    """An address costs about 1 us (``ndarray.ctypes``), ten times a small np.copyto: the old
+    code asked for both before it looked at the size, on every copy of every hot path."""
+    src = np.arange(nbytes, dtype=np.uint8).view(_Counted)
+    dst = np.zeros(nbytes + 16, np.uint8)[8:8 + nbytes].view(_Counted)
+    _Counted.asked = 0
+    copy(dst, src)
+    assert np.array_equal(dst, src) and _Counted.asked == 0
