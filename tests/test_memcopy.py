@@ -166,3 +166,14 @@ def test_small_copies_ask_for_no_address(nbytes: int) -> None:
     _Counted.asked = 0
     copy(dst, src)
     assert np.array_equal(dst, src) and _Counted.asked == 0
+
+
+@pytest.mark.parametrize("dtype", [*__import__("ahcomm._dtypes", fromlist=["x"]).SUPPORTED_DTYPES,
+                                   np.dtype(">f4"), np.dtype("M8[s]"), np.dtype([("a", "i4"), ("b", "f8")]),
+                                   np.dtype(np.complex64)])
+def test_address_is_the_arrays_data_pointer(dtype: np.dtype) -> None:
+    base = np.zeros(1000, dtype)
+    for a in (base, base[3:], base[3:].reshape(-1)[:-1]):
+        assert _memcopy._address(a) == a.ctypes.data
+        a.flags.writeable = False
+        assert _memcopy._address(a) == a.ctypes.data
