@@ -91,7 +91,7 @@ def test_oversubscribed_host_prefers_star_for_small_all_reduce() -> None:
 
 
 def test_star_prices_its_crowded_copies_in_phases() -> None:
-    """star's all_reduce: every rank stages at once and all but the centre copy the result out
+    """star's all_reduce: all but the centre stage at once and every rank copies the result out
     at once; where ranks outnumber cores those copies wait for a core. With a core per rank the
     estimate is the single-phase sum (two copies, the centre's reduction). The old estimate
     counted two busy ranks for the whole call and picked star at 16-64 MiB on 2 cores, where
@@ -105,7 +105,7 @@ def test_star_prices_its_crowded_copies_in_phases() -> None:
     one_phase = Work(rounds=3 * s - 1, copied=2 * m, reduced=(n - 1) * m, tasks=s * n + (s - 1) * (n - 1),
                      engines=(n + 1) * s * engine_tasks(m / s), busy=2)
     assert star.cost(c, topo("sdma", n), roomy) == pytest.approx(one_phase.seconds(roomy, topo("sdma", n)))
-    # 4 ranks on 2 cores: the staging copy takes twice as long, the copy-out 1.5 times
+    # 4 ranks on 2 cores: the staging copy (3 ranks) takes 1.5 times as long, the copy-out (4) twice
     extra = star.cost(c, topo("sdma", n), crowded) - one_phase.seconds(crowded, topo("sdma", n))
     assert extra == pytest.approx(1.5 * m * crowded.copy)
     for n, nbytes in ((4, 16 << 20), (4, 32 << 20), (6, 32 << 20), (6, 64 << 20), (8, 64 << 20)):

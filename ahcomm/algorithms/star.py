@@ -119,8 +119,9 @@ class Star(Algorithm):
         closed by an Ack step.
 
         all_reduce and reduce are priced in phases, each with the ranks that work in it: the
-        centre's reduction as one of two busy ranks, the staging with every owner copying at
-        once, the all_reduce's copy-out with every rank but the centre. Where ranks outnumber
+        centre's reduction as one of two busy ranks, the staging with every owner (all but the
+        centre or root) copying at once, the all_reduce's copy-out with every rank (the centre
+        copies its CCL_Out into its own output too). Where ranks outnumber
         cores those copies wait for a core (np=4 on 2 cores, float32 all_reduce, us a call:
         16 MiB star 12287-12884, mesh 9430-9703; 32 MiB 22904-23043 against 16757-17227;
         results/2026-11-26-star-phases.md); with a core per rank this is the old single-phase sum."""
@@ -131,10 +132,10 @@ class Star(Algorithm):
         acks = (s - 1) * peers  # readers free the buffers between rounds
         big = s * engine_tasks(staged / s)  # one memory task per round
         reads = -(-peers // fan)  # reads (writes) one stream makes in a round
-        if op == "all_reduce":  # every rank stages, the centre reduces everything, the others copy the result out
+        if op == "all_reduce":  # the others stage, the centre reduces everything, every rank copies the result out
             centre = Work(rounds=3 * s - 1, reduced=peers * whole, tasks=s * n + acks, engines=(n + 1) * big, busy=2)
-            return (centre.seconds(model, topo) + Work(copied=whole).seconds(model, topo)
-                    + Work(copied=whole, busy=peers).seconds(model, topo))
+            return (centre.seconds(model, topo) + Work(copied=whole, busy=peers).seconds(model, topo)
+                    + Work(copied=whole).seconds(model, topo))
         if op == "reduce":  # the peers stage, the root reduces
             centre = Work(rounds=2 * s - 1, reduced=peers * whole, tasks=s + acks, engines=n * big, busy=2)
             return centre.seconds(model, topo) + Work(copied=whole, busy=peers).seconds(model, topo)
