@@ -26,7 +26,7 @@ from collections.abc import Callable
 import numpy as np
 
 LINE = 64  # rep movsb is slow where 0 < (dst - src) % LINE < LINE // 2
-MIN_BYTES = 2048  # below this glibc copies with vector moves anyway (x86_rep_movsb_threshold 2112)
+MIN_BYTES = 2112  # below this glibc copies with vector moves anyway (x86_rep_movsb_threshold 0x840)
 BOUNCE_BYTES = 1 << 20  # a bounced read's piece: stays in the 2 MiB L2 between its two copies
 
 

@@ -177,3 +177,17 @@ def test_address_is_the_arrays_data_pointer(dtype: np.dtype) -> None:
         assert _memcopy._address(a) == a.ctypes.data
         a.flags.writeable = False
         assert _memcopy._address(a) == a.ctypes.data
+
+
+def test_a_2_kib_copy_is_copytos(monkeypatch: pytest.MonkeyPatch) -> None:
+    """glibc's memmove takes rep movsb from x86_rep_movsb_threshold (0x840 = 2112 bytes on this
+    host) up: a copy of 2048-2111 bytes is vector moves at any offset (2048 B at +8: 0.44 us
+    against 0.39 aligned), and the old threshold of 2048 sent it through the addresses and the
+    ufunc (3.4 us)."""
+    calls = []
+    real = np.copyto
+    monkeypatch.setattr(np, "copyto", lambda dst, src, **kw: (calls.append(dst.nbytes), real(dst, src, **kw)))
+    src_buf, dst_buf = np.ones(4096, np.uint8), np.zeros(4096, np.uint8)
+    for nbytes in (2048, 2111):
+        copy(_at(dst_buf, 8, nbytes), _at(src_buf, 0, nbytes))
+    assert calls == [2048, 2111]
