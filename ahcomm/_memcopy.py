@@ -27,7 +27,7 @@ import numpy as np
 
 LINE = 64  # rep movsb is slow where 0 < (dst - src) % LINE < LINE // 2
 MIN_BYTES = 2112  # below this glibc copies with vector moves anyway (x86_rep_movsb_threshold 0x840)
-BOUNCE_BYTES = 1 << 20  # a bounced read's piece: stays in the 2 MiB L2 between its two copies
+BOUNCE_BYTES = 1 << 20  # a bounced read's piece: stays in a core's 1 MiB L2 between its two copies
 
 
 def misaligned(dst_addr: int, src_addr: int, nbytes: int) -> bool:
@@ -78,6 +78,8 @@ def read_bounced(dst: np.ndarray, addr: int, read: Callable[[np.ndarray, int], N
     """Fill the contiguous ``dst`` from ``addr`` with ``read(into, addr)`` (a raw single-copy
     read): directly where the two are aligned, else in ``BOUNCE_BYTES`` pieces through this
     thread's bounce buffer, placed at ``addr``'s alignment, copied out with the vector loop."""
+    if not dst.flags.c_contiguous:  # a reshape would copy it, and the read would land in the copy
+        raise ValueError("a single-copy read needs a contiguous destination")
     raw = _flat(dst)
     if not misaligned(raw.ctypes.data, addr, raw.nbytes):
         read(raw, addr)

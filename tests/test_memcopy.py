@@ -191,3 +191,12 @@ def test_a_2_kib_copy_is_copytos(monkeypatch: pytest.MonkeyPatch) -> None:
     for nbytes in (2048, 2111):
         copy(_at(dst_buf, 8, nbytes), _at(src_buf, 0, nbytes))
     assert calls == [2048, 2111]
+
+
+def test_read_bounced_refuses_a_strided_destination() -> None:
+    """A reshape of a strided array copies it: the read would land in the copy and leave ``dst``
+    as it was (review)."""
+    src = np.arange(20_000, dtype=np.uint8)
+    dst = np.zeros((100, 400), np.uint8)[:, :200]
+    with pytest.raises(ValueError, match="contiguous"):
+        read_bounced(dst, src.ctypes.data, _fake_kernel([]))
