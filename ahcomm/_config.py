@@ -21,6 +21,31 @@ def usable_cores() -> int:
     except (AttributeError, OSError):
         return os.cpu_count() or 1
 
+def last_level_cache(root: str = "/sys/devices/system/cpu/cpu0/cache") -> int:
+    """Bytes of the last-level cache of this host's first CPU (sysfs: the highest ``level`` of
+    ``index*``, its ``size`` such as ``32768K``); 0 where Linux does not say."""
+    best_level, size = 0, 0
+    try:
+        entries = sorted(os.listdir(root))
+    except OSError:
+        return 0
+    for entry in entries:
+        if not entry.startswith("index"):
+            continue
+        try:
+            with open(os.path.join(root, entry, "level")) as f:
+                level = int(f.read().strip())
+            with open(os.path.join(root, entry, "size")) as f:
+                text = f.read().strip().upper()
+        except (OSError, ValueError):
+            continue
+        scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+        digits = text.rstrip("KMG")
+        if level >= best_level and digits.isdigit():
+            best_level, size = level, int(digits) * scale
+    return size
+
+
 def copy_engine_mode(env: Mapping[str, str] | None = None) -> str:
     """AHCOMM_COPY_ENGINE: ``auto`` (the default), ``on`` or ``off``."""
     env = os.environ if env is None else env

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ._config import usable_cores
+from ._config import last_level_cache, usable_cores
 
 if TYPE_CHECKING:
     from .algorithms.cost import CostModel, LinkCost
@@ -415,6 +415,53 @@ def shared_copy_rate(cores: int, passes: int = 5, copies: int = 6) -> float:
     return best
 
 
+HOT_PIECE = 1 << 20  # bytes each thread copies or reduces per round in ``hot_rates``
+
+
+def hot_rates(threads: int, rounds: int = 100, passes: int = 3) -> tuple[float, float]:
+    """(seconds per byte copied, per byte reduced) where the data is in cache but was written by
+    another core, as a rank reads what a peer just wrote: ``threads`` threads (at most 2) copy,
+    then add, 1 MiB pieces in lock-step, each round reading the piece another thread wrote in
+    the round before. The median of every operation's CPU time (``thread_time``): outliers only
+    move the tail (a pass's summed CPU time once read 2.6 GB/s against 36; wall times read
+    28-45 GB/s over five runs, CPU-time medians 37-42)."""
+    import threading
+
+    threads = max(1, min(2, threads))
+    count = HOT_PIECE // 4
+    pieces = [[np.ones(count, np.float32) for _ in range(threads)] for _ in range(2)]
+    own = [np.ones(count, np.float32) for _ in range(threads)]
+
+    def worker(t: int, reduce: bool, step: threading.Barrier, took: list[float]) -> None:
+        step.wait()
+        for r in range(rounds):
+            src, dst = pieces[r % 2][(t + 1) % threads], pieces[(r + 1) % 2][t]
+            t0 = time.thread_time()
+            if reduce:
+                np.add(src, own[t], out=dst)
+            else:
+                np.copyto(dst, src)
+            took.append(time.thread_time() - t0)
+            step.wait()
+
+    rates = []
+    for reduce in (False, True):
+        took: list[float] = []
+        for _ in range(passes):
+            step = threading.Barrier(threads)
+            workers = [threading.Thread(target=worker, args=(t, reduce, step, took), daemon=True)
+                       for t in range(threads)]
+            for w in workers:
+                w.start()
+            for w in workers:
+                w.join()
+            for row in pieces:  # sums grow: every pass starts from ones
+                for piece in row:
+                    piece.fill(1.0)
+        rates.append(statistics.median(took) / HOT_PIECE)
+    return rates[0], rates[1]
+
+
 def fit_link(kind: str, points: list[dict[str, Any]], model: CostModel, single_copy: bool) -> tuple[LinkCost, float]:
     """(LinkCost, latency scale) for ``kind`` from timed ``points``.
 
@@ -431,7 +478,7 @@ def fit_link(kind: str, points: list[dict[str, Any]], model: CostModel, single_c
     import dataclasses
 
     from .algorithms import REGISTRY, Call, Topology
-    from .algorithms.cost import CostModel, LinkCost
+    from .algorithms.cost import CostModel, LinkCost, call_bytes
 
     topo = Topology(rank=0, size=2, hosts=("calibration",) * 2, link_kinds=("self", kind),
                     all_mapped=kind != "rdma", single_copy=single_copy and kind != "rdma")
@@ -446,7 +493,9 @@ def fit_link(kind: str, points: list[dict[str, Any]], model: CostModel, single_c
     for p in points:
         call = Call(op=p["op"], seq=0, dtype=np.dtype(np.float32), count=int(p["count"]))
         algorithm = REGISTRY.algorithms[p["algorithm"]]
-        costs = [algorithm.cost(call, topo, m) or 0.0 for m in (latency, per_byte, known)]
+        rates = model.for_call(2, call_bytes(call, 2)[0])  # in cache where the call's data fits
+        host = dataclasses.replace(known, copy=rates.copy, gamma=rates.gamma, copy_shared=rates.copy_shared)
+        costs = [algorithm.cost(call, topo, m) or 0.0 for m in (latency, per_byte, host)]
         rows.append([costs[0], costs[1]])
         y.append(p["seconds"] - costs[2])
     a, t = np.array(rows), np.array(y)
@@ -474,8 +523,12 @@ def calibrate() -> None:
     shared = copy * shared_copy_rate(copiers) / shared_copy_rate(1)  # the ratio of like measurements
     print(f"reduce: {1 / gamma / 1e9:.2f} GB/s, copy: {1 / copy / 1e9:.2f} GB/s "
           f"({1 / shared / 1e9:.2f} GB/s each with {copiers} copying at once), engine hand-off: {engine * 1e6:.0f} us")
+    copy_hot, gamma_hot = hot_rates(cores)
+    cache = last_level_cache()
+    print(f"in cache ({cache >> 20} MiB last-level; calls whose data fits half of it with a core per rank): "
+          f"copy {1 / copy_hot / 1e9:.2f} GB/s, reduce {1 / gamma_hot / 1e9:.2f} GB/s")
     model = dataclasses.replace(_cost.CostModel(), gamma=gamma, copy=copy, engine=engine, copy_shared=shared,
-                                cores=cores)
+                                cores=cores, cache=cache, copy_hot=copy_hot, gamma_hot=gamma_hot)
     links, scales = dict(model.links), []
     with tempfile.TemporaryDirectory() as tmp:
         for kind in ("sdma", "rdma"):

@@ -265,7 +265,11 @@ def simulate(op: str, n: int, k: int, nbytes: int, algorithm: str | None = None,
     model = model or reference_model()
     dt = np.dtype(dtype)
     count = nbytes // dt.itemsize
-    world = World(n, k, model, check=check, contention=contention, cpu=cpu)
+    whole = count * dt.itemsize * (n if op in ("all_gather", "reduce_scatter") else 1)
+    # the host's rates for this call (in cache where its data fits: ``CostModel.hot``); the selector
+    # below prices every call alike from ``model``
+    rates = model.for_call(min(n, k), whole) if cpu else model
+    world = World(n, k, rates, check=check, contention=contention, cpu=cpu)
     redop = ReduceOp.SUM if op in ("all_reduce", "reduce_scatter") else None
     call = Call(op=op, seq=0, dtype=dt, count=count, redop=redop, root=0)
     selector = Selector(REGISTRY, "", model)

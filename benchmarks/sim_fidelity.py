@@ -57,7 +57,14 @@ def describe(model: CostModel) -> str:
     return (f"sdma alpha {model.links['sdma'].alpha * 1e6:.1f} us, {1 / model.links['sdma'].beta / 1e9:.2f} GB/s; "
             f"copy {1 / model.copy / 1e9:.2f} GB/s (x{model.crowd:.2f} longer with every core copying), "
             f"reduce {1 / model.gamma / 1e9:.2f} GB/s; notify {model.task * 1e6:.0f} us of CPU, engine hand-off "
-            f"{model.engine * 1e6:.0f} us; {model.cores} cores")
+            f"{model.engine * 1e6:.0f} us; {model.cores} cores" + _in_cache(model))
+
+
+def _in_cache(model: CostModel) -> str:
+    if not model.cache or not model.copy_hot or not model.gamma_hot:
+        return ""
+    return (f"; in cache ({model.cache >> 20} MiB last-level) copy {1 / model.copy_hot / 1e9:.2f} GB/s, "
+            f"reduce {1 / model.gamma_hot / 1e9:.2f} GB/s")
 
 
 def main() -> None:

@@ -235,6 +235,7 @@ class Algorithm:
         if n == 1:
             return 0.0
         whole, block = call_bytes(call, n)
+        model = model.for_call(model.per_host(topo), whole)  # in-cache rates for a call whose data fits
         work = self.work(call, topo, model, whole, block)
         return work.seconds(model, topo) if isinstance(work, Work) else work
 

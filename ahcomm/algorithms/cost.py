@@ -43,6 +43,7 @@ import json
 import math
 import os
 from dataclasses import asdict, dataclass, field, replace
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +53,7 @@ from .call import Call, Topology
 
 MODEL_VERSION = 2  # calibrations written with another meaning of the numbers are ignored
 HALF_BYTES = 32 << 20  # a CCL half at the default AHCOMM_BUFFSIZE: how the executor slices big calls
+FOOTPRINT = 3  # bytes of data a rank touches per byte of its call (input, output, a staging copy)
 
 
 @dataclass(frozen=True)
@@ -78,6 +80,29 @@ class CostModel:
     cores: int = 0  # CPU cores of the host (rank 0's, see ``load``); 0: unknown, oversubscription not modelled
     source: str = "defaults"
     copy_shared: float = 0.0  # seconds per byte copied by each core while every core copies (0: as ``copy``)
+    cache: int = 0  # bytes of the host's last-level cache (0: unknown; no call is priced in cache)
+    copy_hot: float = 0.0  # seconds per byte copied where a call's data stays in cache (``hot``; 0: as ``copy``)
+    gamma_hot: float = 0.0  # the same for a byte reduced (0: as ``gamma``)
+
+    def hot(self, ranks_here: int, whole: float) -> bool:
+        """Whether a call of ``whole`` bytes on a host with ``ranks_here`` of its ranks runs out of
+        cache: every rank has a core of its own, and the ranks' data (``FOOTPRINT`` times the
+        call's bytes each: input, output, staging) fits half the last-level cache. Where ranks
+        share cores they evict each other's caches between steps: traced at 2 MiB, np=2 on 2
+        cores copied at 25 GB/s and reduced at 17.7 (ring at 64 MiB: 11.7 and 13.0), np=4 copied
+        at 10.3, as at 64 MiB (results/2026-11-26-cache-rates.md). Off where the cache size, the
+        in-cache rates or the cores are unknown."""
+        return (self.cache > 0 and (self.copy_hot > 0 or self.gamma_hot > 0) and 0 < ranks_here <= self.cores
+                and ranks_here * FOOTPRINT * whole <= self.cache / 2)
+
+    @cached_property
+    def in_cache(self) -> "CostModel":
+        """This model with the in-cache rates for copies and reductions (and no memory crowding)."""
+        return replace(self, copy=self.copy_hot or self.copy, gamma=self.gamma_hot or self.gamma, copy_shared=0.0)
+
+    def for_call(self, ranks_here: int, whole: float) -> "CostModel":
+        """The model that prices a call of ``whole`` bytes: ``in_cache`` where it is ``hot``."""
+        return self.in_cache if self.hot(ranks_here, whole) else self
 
     @property
     def crowd(self) -> float:
@@ -139,7 +164,8 @@ class CostModel:
     def to_dict(self) -> dict[str, Any]:
         return {"version": MODEL_VERSION, "links": {k: asdict(v) for k, v in self.links.items()},
                 "gamma": self.gamma, "copy": self.copy, "task": self.task, "engine": self.engine, "cores": self.cores,
-                "copy_shared": self.copy_shared, "source": self.source}
+                "copy_shared": self.copy_shared, "cache": self.cache, "copy_hot": self.copy_hot,
+                "gamma_hot": self.gamma_hot, "source": self.source}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "CostModel":
@@ -156,7 +182,9 @@ class CostModel:
                    copy=float(data.get("copy", default.copy)), task=float(data.get("task", default.task)),
                    engine=float(data.get("engine", default.engine)),
                    cores=cores, source=str(data.get("source", "file")),
-                   copy_shared=float(data.get("copy_shared", 0.0)))  # absent in older files: not measured
+                   copy_shared=float(data.get("copy_shared", 0.0)),  # absent in older files: not measured
+                   cache=int(data.get("cache", 0) or 0), copy_hot=float(data.get("copy_hot", 0.0)),
+                   gamma_hot=float(data.get("gamma_hot", 0.0)))
 
 
 def cache_path() -> Path:

@@ -1,0 +1,88 @@
+"""Calls whose data stays in cache are priced at the in-cache rates (CostModel.hot), in the
+selector and in the simulator alike; calibrate measures those rates and the cache's size."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+
+from ahcomm._config import last_level_cache
+from ahcomm.algorithms import REGISTRY, Call, Topology
+from ahcomm.algorithms._selection import Selector
+from ahcomm.algorithms.cost import FOOTPRINT, CostModel
+from ahcomm.sim import simulate
+
+MIB = 1 << 20
+HOT = CostModel(copy=1 / 12e9, gamma=1 / 11e9, copy_shared=1.3 / 12e9, cores=2, cache=32 * MIB,
+                copy_hot=1 / 36e9, gamma_hot=1 / 25e9, source="test")
+
+
+def test_the_last_level_cache_is_read_from_sysfs(tmp_path: Path) -> None:
+    for index, (level, size) in enumerate([(1, "48K"), (1, "32K"), (2, "1024K"), (3, "32768K")]):
+        entry = tmp_path / f"index{index}"
+        entry.mkdir()
+        (entry / "level").write_text(f"{level}\n")
+        (entry / "size").write_text(f"{size}\n")
+    (tmp_path / "uevent").write_text("")
+    assert last_level_cache(str(tmp_path)) == 32 * MIB
+    (tmp_path / "index3" / "size").write_text("2M\n")
+    assert last_level_cache(str(tmp_path)) == 2 * MIB
+    assert last_level_cache(str(tmp_path / "missing")) == 0
+
+
+def test_a_call_is_hot_where_each_rank_has_a_core_and_the_data_fits_half_the_cache() -> None:
+    fits = 32 * MIB / 2 / (2 * FOOTPRINT)  # the largest call of 2 ranks that is in cache
+    assert HOT.hot(2, fits) and not HOT.hot(2, fits * 1.01)
+    assert not HOT.hot(3, 64 << 10)  # 3 ranks on 2 cores: they evict each other's caches
+    assert not dataclasses.replace(HOT, cache=0).hot(2, 1024)  # cache size unknown
+    assert not dataclasses.replace(HOT, copy_hot=0.0, gamma_hot=0.0).hot(2, 1024)  # rates not measured
+    assert not dataclasses.replace(HOT, cores=0).hot(2, 1024)
+    warm = HOT.for_call(2, 2 * MIB)
+    assert (warm.copy, warm.gamma, warm.crowd) == (HOT.copy_hot, HOT.gamma_hot, 1.0)
+    assert HOT.for_call(2, 8 * MIB) is HOT and HOT.for_call(4, 2 * MIB) is HOT
+
+
+def test_the_rates_travel_with_the_model() -> None:
+    assert CostModel.from_dict(json.loads(json.dumps(HOT.to_dict()))) == HOT
+    old = {k: v for k, v in HOT.to_dict().items() if k not in ("cache", "copy_hot", "gamma_hot")}
+    older = CostModel.from_dict(old)
+    assert (older.cache, older.copy_hot, older.gamma_hot) == (0, 0.0, 0.0) and older.for_call(2, 1024) is older
+
+
+def _topo(n: int) -> Topology:
+    return Topology(rank=0, size=n, hosts=("h",) * n, link_kinds=("self",) + ("sdma",) * (n - 1),
+                    all_mapped=True, single_copy=True, mailbox=1 << 20)
+
+
+def test_the_selector_prices_a_hot_call_at_the_in_cache_rates() -> None:
+    """reduce at 2 ranks, 2 MiB: in cache, star's reductions are cheap and it beats ring (measured:
+    star 270-282 us, ring 452-482; results/2026-11-26-cache-rates.md); without the rates, ring."""
+    call = Call(op="reduce", seq=0, dtype=np.dtype(np.float32), count=(2 * MIB) // 4, root=0)
+    cold = dataclasses.replace(HOT, cache=0)
+    star = REGISTRY.algorithms["star"]
+    assert star.cost(call, _topo(2), HOT) < star.cost(call, _topo(2), cold)  # type: ignore[operator]
+    assert Selector(REGISTRY, "", HOT).choose(call, _topo(2)).name == "star"
+    big = Call(op="reduce", seq=0, dtype=np.dtype(np.float32), count=(64 * MIB) // 4, root=0)
+    assert star.cost(big, _topo(2), HOT) == star.cost(big, _topo(2), cold)
+
+
+def test_the_simulator_runs_a_hot_call_at_the_in_cache_rates() -> None:
+    """np=2 2 MiB ring all_reduce is predicted faster with the in-cache rates; np=4 on 2 cores and
+    64 MiB are not hot and predict as before."""
+    cold = dataclasses.replace(HOT, cache=0)
+    for n, nbytes, faster in ((2, 2 * MIB, True), (4, 2 * MIB, False), (2, 64 * MIB, False)):
+        hot = simulate("all_reduce", n, n, nbytes, "ring", model=HOT, cpu=True).time_us
+        plain = simulate("all_reduce", n, n, nbytes, "ring", model=cold, cpu=True).time_us
+        assert (hot < 0.9 * plain) if faster else math.isclose(hot, plain), (n, nbytes, hot, plain)
+
+
+def test_calibrate_measures_the_in_cache_rates() -> None:
+    from ahcomm.bench import hot_rates
+
+    copy, reduce = hot_rates(2, rounds=20, passes=2)
+    for rate in (copy, reduce):
+        assert math.isfinite(rate) and 1 / 2000e9 < rate < 1 / 0.1e9
