@@ -2,19 +2,20 @@
 
 ``numpy.copyto`` of contiguous memory is glibc's ``memmove``, which copies pieces of 2 KiB up
 to about 1 MiB with ``rep movsb``; the kernel's ``process_vm_readv`` copies every page with it.
-On this host (AMD EPYC, FSRM) that instruction runs 2-6x slower where the destination lies
-1-31 bytes past a multiple of 64 from the source. Measured out of cache, 512 KiB pieces of a
-16 MiB copy, GB/s by ``(dst - src) % 64``: 0: 21.2, 8: 3.1, 16: 7.2, 24: 7.3, 32: 21.3,
-40-56: 16-19; ``process_vm_readv``: 0: 13.0, 8: 3.0, 16: 6.5, 24: 6.4, 32-56: 12.3-13.0.
-numpy's own vector loop (``np.positive`` over uint8) runs 18-19 GB/s at every offset
-(results/2026-11-26-aligned-copies.md).
+On this host (AMD EPYC, FSRM) that instruction runs 2-5x slower where the destination lies
+1-31 bytes past the source within a 4 KiB page (``(dst - src) % 4096``). Measured out of cache,
+512 KiB pieces of a 16 MiB copy, GB/s by that distance: 0: 15.6, 8: 3.3, 16: 6.9, 24: 7.0,
+32-56: 13.7-19.2, 72-4048 (8 or 16 modulo 64): 13.5-15.9, -16 and -8: 21; ``process_vm_readv``:
+0: 12.5, 8: 3.1, 16: 5.9, 24: 5.7, elsewhere 9.8-12.9. numpy's own vector loop (``np.positive``
+over uint8) runs 16-19 GB/s at every distance (results/2026-11-26-aligned-copies.md).
 
 The case is common: numpy places a large array 16 bytes past a page, while CCL buffers,
-mailbox slots and torch tensors start on 64 bytes, and arrays from the heap or sliced at an
-odd element fall anywhere. ``copy`` takes the vector loop for such a pair; ``read_bounced``
-lets a single-copy read go through a small buffer placed at the source's alignment (the
-kernel's copy fast) and then the vector loop (process_vm_readv at +16: 6.4-6.6 GB/s
-directly, 8.3 through 1 MiB; at +8: 3.2 against 8.0).
+mailbox slots and torch tensors start on 64 bytes (16 bytes apart), and arrays from the heap
+or sliced at an odd element fall anywhere. ``copy`` takes the vector loop for such a pair;
+``read_bounced`` lets a single-copy read go through a small buffer placed at the source's
+alignment (the kernel's copy fast) and then the vector loop (process_vm_readv 8 bytes apart:
+3.1 GB/s directly, 6.4 bounced; 16: 5.9 against 6.6). Elsewhere a bounce costs more than it
+saves (72-4048 bytes apart: 10.2-12.2 directly, 6.7-8.1 bounced), so only the slow case takes it.
 """
 
 from __future__ import annotations
@@ -25,14 +26,16 @@ from collections.abc import Callable
 
 import numpy as np
 
-LINE = 64  # rep movsb is slow where 0 < (dst - src) % LINE < LINE // 2
+PAGE = 4096  # rep movsb is slow where 0 < (dst - src) % PAGE < NEAR
+NEAR = 32
+LINE = 64  # the bounce buffer's placement: the source's offset in a cache line
 MIN_BYTES = 2112  # below this glibc copies with vector moves anyway (x86_rep_movsb_threshold 0x840)
 BOUNCE_BYTES = 1 << 20  # a bounced read's piece: stays in a core's 1 MiB L2 between its two copies
 
 
 def misaligned(dst_addr: int, src_addr: int, nbytes: int) -> bool:
     """Whether a copy of ``nbytes`` from ``src_addr`` to ``dst_addr`` would hit the slow case."""
-    return nbytes >= MIN_BYTES and 0 < (dst_addr - src_addr) % LINE < LINE // 2
+    return nbytes >= MIN_BYTES and 0 < (dst_addr - src_addr) % PAGE < NEAR
 
 
 _EXPORTED = frozenset("?bBhHiIlLqQefdgFDG")  # dtype chars numpy's buffer export takes (not ml_dtypes')
