@@ -66,6 +66,25 @@ def test_contention_costs_time() -> None:
     assert on > off
 
 
+def test_a_ranks_inline_work_runs_on_its_one_thread() -> None:
+    """With the host's CPUs modelled, a rank's work without a copy-engine hand-off runs one task at
+    a time on its event loop's thread, whatever stream submits it, while another rank uses the
+    other core; work handed to an engine does not wait for the loop. The old pool ran a rank's
+    two streams on both cores at once (an out-of-place ring broadcast root's local copy beside
+    its puts: predicted 0.40-0.71 of the measured time at 2 ranks)."""
+    from ahcomm.transports.sim import LinkParams, SimNetwork
+
+    net = SimNetwork(VirtualLoop(), 2, {"sdma": LinkParams(0.0, 0.0)}, cores=2)  # type: ignore[abstract]
+    assert net.cpu(0, 1.0) == 1.0
+    assert net.cpu(0, 1.0) == 2.0  # the same rank: after its first task, though a core is free
+    assert net.cpu(1, 1.0) == 1.0  # another rank: the free core at once
+    assert net.cpu(0, 1.0, fixed=0.5) == 2.5  # handed to an engine thread: the first free core
+    assert net.cpu(0, 1.0) == 3.0  # the loop's thread again, after its second task
+    bcast = [simulate("broadcast", 2, 2, 64 << 20, "ring", model=replace(reference_model(), cores=2), cpu=True)
+             for _ in range(2)]
+    assert bcast[0].time_us == bcast[1].time_us  # deterministic
+
+
 @pytest.mark.parametrize("algorithm", ["ring", "rhd", "hier"])
 def test_straggler_delays_by_its_delay(algorithm: str) -> None:
     """A rank that starts 1 ms late delays a small all_reduce by about 1 ms (everyone needs it)."""
