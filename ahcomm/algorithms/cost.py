@@ -30,6 +30,10 @@ steps, and CPU work takes ``slowdown = active / cores`` times longer. Where core
 over, a rank that spreads its memory work over several copy engines (``streams``) gets up
 to that many of them (``slowdown`` < 1).
 
+In cache: a call whose data fits half the host's last-level cache, where every rank has a
+core, is priced at the in-cache rates ``copy_hot`` and ``gamma_hot`` (``CostModel.hot``;
+``Algorithm.cost`` applies ``for_call``), which only a calibration provides.
+
 The numbers come from a calibration on the host (``ahcomm-bench calibrate``, cached in a JSON
 file) or, without one, from defaults fitted to sweeps on a 2-core x86 host. Rank 0's model
 is handed to every rank at init, so every rank computes the same costs and picks the same
