@@ -55,7 +55,13 @@ def load_model(path: str | None) -> CostModel:
     """``--model FILE`` (``ahcomm-bench calibrate``'s JSON, or the same shape), else the reference."""
     if path is None:
         return reference_model()
-    return CostModel.from_dict(json.loads(Path(path).read_text()))
+    try:
+        return CostModel.from_dict(json.loads(Path(path).read_text()))
+    except OSError as exc:
+        raise ValueError(f"--model {path}: cannot read it ({exc.strerror or exc})") from None
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise ValueError(f"--model {path}: not a calibration (ahcomm-bench calibrate writes one): "
+                         f"{type(exc).__name__}: {exc}") from None
 
 
 class _Kinds:

@@ -66,6 +66,23 @@ def test_contention_costs_time() -> None:
     assert on > off
 
 
+def test_a_model_file_that_is_missing_or_not_a_calibration_names_itself(tmp_path: Path,
+                                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    """``--model`` with a path that does not exist printed a FileNotFoundError traceback (a
+    newcomer's mistake in the fresh-clone check); a bad number printed only numpy's words."""
+    assert main(["all_reduce", "--ranks", "2", "--size", "1M", "--model", str(tmp_path / "none.json")]) == 1
+    err = capsys.readouterr().err
+    assert "--model" in err and "none.json" in err and "cannot read it" in err and "Traceback" not in err
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"version": 2, "cores": 2, "copy_hot": "fast"}))
+    assert main(["all_reduce", "--ranks", "2", "--size", "1M", "--model", str(bad)]) == 1
+    err = capsys.readouterr().err
+    assert "bad.json" in err and "not a calibration" in err and "fast" in err
+    bad.write_text("[1, 2]")
+    assert main(["all_reduce", "--ranks", "2", "--size", "1M", "--model", str(bad)]) == 1
+    assert "not a calibration" in capsys.readouterr().err
+
+
 def test_a_ranks_inline_work_runs_on_its_one_thread() -> None:
     """With the host's CPUs modelled, a rank's work without a copy-engine hand-off runs one task at
     a time on its event loop's thread, whatever stream submits it, while another rank uses the
