@@ -199,7 +199,7 @@ class Comm(ThreadsafeCalls, BlockedCollectives, ObjectCollectives, PointToPoint)
 
     def barrier(self, *, algorithm: str | None = None, timeout: float | None = None) -> "asyncio.Future[None]":
         """Wait until every rank has entered the barrier."""
-        self._check_open("barrier")
+        self._check_open("barrier", queued=True)
         call = Call(op="barrier", seq=self._seq, dtype=np.dtype(np.uint8), count=0)
         empty = np.empty(0, np.uint8)
         return self._submit(call, empty, empty, None, None, algorithm, timeout=timeout)
@@ -287,12 +287,16 @@ class Comm(ThreadsafeCalls, BlockedCollectives, ObjectCollectives, PointToPoint)
         return comm
 
     # -- plumbing ---------------------------------------------------------------------------
-    def _check_open(self, what: str = "") -> None:
+    def _check_open(self, what: str = "", *, queued: bool = False) -> None:
+        """Raise if this communicator cannot take a call. ``queued``: the call goes through the
+        job queue, and while a failure is being diagnosed it is queued and held until the
+        verdict, which it then raises (raising the first error here would name less: a mismatch's
+        first error knows only the peer's fingerprint, its verdict the peer's call)."""
         self._check_loop()
         if self._closed:
             raise CommClosedError(f"communicator (rank {self.rank}) is closed")
         error = self._health.error
-        if error is not None:
+        if error is not None and not (queued and self._health.diagnosing):
             raise CommClosedError(f"communicator (rank {self.rank}) failed earlier: {error}") from error
         if self._suspended:
             raise CommSuspendedError(f"{what or 'call'}: communicator (rank {self.rank}) is suspended (its buffers "
@@ -306,7 +310,7 @@ class Comm(ThreadsafeCalls, BlockedCollectives, ObjectCollectives, PointToPoint)
             raise InvalidArgument(f"{what}: root {root!r} is out of range for world size {self.size}")
 
     def _input(self, x: Any, what: str) -> tuple[np.ndarray, np.dtype]:
-        self._check_open(what)
+        self._check_open(what, queued=True)
         arr = _as_array(x, f"{what} input")
         return arr, check_dtype(arr.dtype, f"{what} input")
 

@@ -186,6 +186,12 @@ class Health:
         }
 
     # -- failures ---------------------------------------------------------------------------
+    @property
+    def diagnosing(self) -> bool:
+        """A failure is being diagnosed: ``error`` is set, its verdict (``final``) is on its way."""
+        return self.error is not None and self.final is None and self.diagnosis is not None \
+            and not self.diagnosis.done()
+
     def freeze(self, error: BaseException,
                 diagnosis: "Coroutine[Any, Any, tuple[BaseException, tuple[str, str]]]") -> None:
         """Stop at once (nothing more runs, no result is delivered) and diagnose; the verdict

@@ -120,6 +120,40 @@ async def test_mismatch_on_three_ranks_every_rank_raises_mismatch_not_peer_failu
     await close_all(comms)
 
 
+async def test_a_call_made_while_a_mismatch_is_diagnosed_gets_the_verdict() -> None:
+    """A call made while a failure is being diagnosed waits for the verdict and raises it. It
+    used to raise the first error at once, which for a mismatch names only the peer's
+    fingerprint: an eager broadcast's root returned, called barrier() before its diagnosis had
+    asked the peer, and printed "rank 1 called a different collective (fingerprint ...)" where
+    the verdict said "rank 1 called all_gather(float32, count=8)" (a fresh-clone CI run of
+    test_mismatch_on_real_ranks[rdma])."""
+    comms = await ahcomm.init_inprocess(2, buffsize=MIB)
+    await outcomes([c.all_reduce(np.ones(4)) for c in comms])
+    health = comms[0]._health
+    ready = asyncio.Event()
+    first = ahcomm.CollectiveMismatchError("all_reduce #0 mismatch: rank 0 called all_reduce(float64, count=4, "
+                                           "sum), rank 1 called a different collective (fingerprint 0x00000001)")
+    verdict = ahcomm.CollectiveMismatchError("all_reduce #0 mismatch: rank 0 called all_reduce(float64, count=4, "
+                                             "sum), rank 1 called all_gather(float64, count=4)")
+
+    async def diagnosis() -> tuple[BaseException, tuple[str, str]]:
+        await ready.wait()
+        return verdict, ("mismatch", str(verdict))
+
+    health.freeze(first, diagnosis())
+    pending = [comms[0].barrier(), comms[0].all_reduce(np.ones(2))]  # the old code raised here, at once
+    await asyncio.sleep(0.05)
+    assert not any(f.done() for f in pending)
+    ready.set()
+    for fut in pending:
+        with pytest.raises(ahcomm.CollectiveMismatchError) as info:
+            await fut
+        assert info.value is verdict
+    with pytest.raises(ahcomm.CommClosedError, match="failed earlier: .*rank 1 called all_gather"):
+        comms[0].all_reduce(np.ones(2))  # the verdict is in: a new call raises at once, naming it
+    await close_all(comms)
+
+
 async def test_mismatch_found_when_the_late_rank_issues_its_call() -> None:
     """Rank 0's signals arrive before rank 1 issued #0: kept, and checked at issue."""
     comms = await ahcomm.init_inprocess(2, buffsize=MIB)
