@@ -285,8 +285,7 @@ class BlockedCollectives(FrontEnd):
             raise InvalidArgument(f"{what}: x is required {where}")
         if x is None:
             assert out is not None
-            self._check_open(what, queued=True)
-            self._input(out, what)
+            self._input(out, what)  # checks the communicator is open first
             if what == "scatter" and out.ndim:  # even blocks: the whole is size x out's rows (a view of nothing)
                 return np.broadcast_to(np.empty((), out.dtype), (out.shape[0] * self.size, *out.shape[1:]))
             return np.empty((0, *out.shape[1:]), out.dtype) if out.ndim else out  # only dtype and row shape count

@@ -84,15 +84,16 @@ def read_bounced(dst: np.ndarray, addr: int, read: Callable[[np.ndarray, int], N
     if not dst.flags.c_contiguous:  # a reshape would copy it, and the read would land in the copy
         raise ValueError("a single-copy read needs a contiguous destination")
     raw = _flat(dst)
-    if not misaligned(raw.ctypes.data, addr, raw.nbytes):
+    if not misaligned(_address(raw), addr, raw.nbytes):
         read(raw, addr)
         return
     buf = _bounce.buf
     if buf is None:
         buf = _bounce.buf = np.empty(BOUNCE_BYTES + LINE, np.uint8)
+    base = _address(buf)
     for lo in range(0, raw.nbytes, BOUNCE_BYTES):
         hi = min(lo + BOUNCE_BYTES, raw.nbytes)
-        at = (addr + lo - buf.ctypes.data) % LINE
+        at = (addr + lo - base) % LINE
         piece = buf[at:at + hi - lo]
         read(piece, addr + lo)
         np.positive(piece, out=raw[lo:hi])

@@ -48,8 +48,7 @@ class TwoShot(Algorithm):
         step one plain step more); per rank the input copied into the slot (m), its share
         reduced out of every slot ((n - 1) m / n) and copied into the slot (m / n), the peers'
         shares copied out (m - m / n)."""
-        n = topo.size
-        m = float(call.count * call.itemsize)
+        n, m = topo.size, whole
         if m > MAX_SLOTS * topo.mailbox:  # beyond the range measured: never the selector's pick
             return math.inf
         s = npieces(m, topo.mailbox)

@@ -58,21 +58,21 @@ class SimNetwork:
     copying: dict[int, list[float]] = field(default_factory=dict)  # server -> end times of its running copies
     threads: dict[int, float] = field(default_factory=dict)  # rank -> when its event loop's thread is free
 
-    def cpu(self, rank: int, span: float, memory: bool = False, fixed: float = 0.0) -> float:
+    def cpu(self, rank: int, span: float, memory: bool = False, fixed: float = 0.0, engine: bool = False) -> float:
         """Run ``fixed + span`` seconds of work on one of ``rank``'s server's CPUs, from now or
         once a CPU is free; when it ends. ``memory``: ``span`` is a copy or reduction, which
         shares the server's memory bandwidth with the copies running on its other CPUs
-        (``crowd``); ``fixed`` is not (a copy engine's hand-off). Work without a hand-off runs
-        on the rank's event-loop thread, one task at a time, whichever of its streams submits
-        it (a rank copies inline on a full host: an out-of-place broadcast root's 64 MiB copy,
-        traced at 6.7 ms, held its 32 puts back; ring broadcast at 2 ranks was predicted at
-        0.40-0.71 of the measured time: results/2026-11-26-cache-rates.md)."""
+        (``crowd``); ``fixed`` is not (a copy engine's hand-off). Work not handed to a copy
+        engine (``engine``) runs on the rank's event-loop thread, one task at a time, whichever
+        of its streams submits it (a rank copies inline on a full host: an out-of-place
+        broadcast root's 64 MiB copy, traced at 6.7 ms, held its 32 puts back; ring broadcast at
+        2 ranks was predicted at 0.40-0.71 of the measured time: results/2026-11-26-cache-rates.md)."""
         now = self.loop.now
         if self.cores <= 0:
             return now + fixed + span
         server = rank // self.ranks_per_server
         free = self.cpus.setdefault(server, [0.0] * self.cores)
-        inline = fixed == 0.0
+        inline = not engine
         ready = max(now, self.threads.get(rank, 0.0)) if inline else now
         # the core that has been busy longest among those free by then (the others stay free for
         # work that comes sooner), else the first to be free
@@ -105,8 +105,8 @@ class SimNetwork:
         ``Stream.memory`` does) and costs the hand-off too (``engine``: the thread's wake-up and
         the event loop's, CPU work on the same server: where ranks outnumber cores it waits for
         one like the copy)."""
-        fixed = self.engine if nbytes >= self.engine_bytes else 0.0
-        return self.cpu(rank, span, memory=True, fixed=fixed)
+        handed = nbytes >= self.engine_bytes
+        return self.cpu(rank, span, memory=True, fixed=self.engine if handed else 0.0, engine=handed)
 
     def kind(self, a: int, b: int) -> str:
         return INTRA if a // self.ranks_per_server == b // self.ranks_per_server else INTER
