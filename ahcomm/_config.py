@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from . import _slurm
+from ._binding import cores_from_env
 from ._errors import ConfigError
 from ._torchrun import agent_store
 
@@ -15,7 +16,12 @@ MIN_SECRET = 16  # characters of AHCOMM_JOB_SECRET
 
 
 def usable_cores() -> int:
-    """The cores this process may run on (its affinity: a container's cpuset, not the host's count)."""
+    """The cores this host's ranks share: AHCOMM_CORES where a launcher that binds each rank to
+    a core says so, else the cores this process may run on (its affinity: a container's cpuset,
+    not the host's count)."""
+    told = cores_from_env()
+    if told is not None:
+        return told
     try:
         return len(os.sched_getaffinity(0))
     except (AttributeError, OSError):

@@ -43,12 +43,15 @@ def _prctl() -> Callable[[int, int], int] | None:
     return fn  # type: ignore[no-any-return]
 
 
-def child_setup() -> Callable[[], None]:
-    """A ``preexec_fn`` for a rank: default SIGINT/SIGTERM, and SIGTERM when the launcher dies."""
+def child_setup(cores: set[int] | None = None) -> Callable[[], None]:
+    """A ``preexec_fn`` for a rank: default SIGINT/SIGTERM, SIGTERM when the launcher dies, and
+    bound to ``cores`` (before it starts a thread: every thread it makes inherits them)."""
     prctl = _prctl()
     launcher = os.getpid()
 
     def setup() -> None:
+        if cores is not None:
+            os.sched_setaffinity(0, cores)
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, signal.SIG_DFL)
         if prctl is not None:

@@ -14,6 +14,10 @@ the environment only (readable by the same user alone), never on a command line.
 also gets torchrun's RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and
 MASTER_PORT (a port of its own for torch.distributed's store), so torch scripts run unchanged.
 
+Ranks are bound to cores (``--bind-to core``, the default; AHCOMM_BIND; ``_binding``): cores of
+their own, or one each round robin where they outnumber the cores, and AHCOMM_CORES says how
+many the host's ranks share; ``--bind-to none`` leaves them free.
+
 SIGINT/SIGTERM are forwarded to every rank, and SIGUSR1 (each rank prints its state). If a
 rank fails, the others are stopped (SIGTERM, then SIGKILL after ``--grace`` seconds) and
 ahcomm-run exits with that rank's status, naming it. ``--on-failure continue`` keeps the others
@@ -34,6 +38,8 @@ import signal
 import sys
 from collections.abc import Sequence
 
+from ._binding import MODES, allowed_cores, bind_mode, plan, rank_cores
+from ._errors import ConfigError
 from ._nodes import agree
 from ._rootinfo import free_port
 from ._runproc import Tagger, Watchdog, child_setup
@@ -102,7 +108,7 @@ async def launch(nprocs: int, program: Sequence[str], *, tag_output: bool | None
                  master_addr: str = "127.0.0.1", master_port: int | None = None,
                  env: dict[str, str] | None = None, grace: float = GRACE_SECONDS,
                  first_rank: int = 0, world_size: int | None = None, watch_stdin: bool = False,
-                 on_failure: str = "stop", max_restarts: int = 0) -> int:
+                 on_failure: str = "stop", max_restarts: int = 0, bind_to: str | None = None) -> int:
     """Run ``program`` as ranks ``first_rank .. first_rank + nprocs - 1`` of a job of
     ``world_size`` (default ``nprocs``) ranks on this host; return the job's exit status.
     ``tag_output`` None: prefix lines with the rank when more than one rank shares the output.
@@ -110,7 +116,9 @@ async def launch(nprocs: int, program: Sequence[str], *, tag_output: bool | None
     ``on_failure``: what a rank's failure does to the others: ``stop`` them (SIGTERM, SIGKILL after
     ``grace``), let them ``continue``, or ``restart`` the failed rank (same rank and environment plus
     AHCOMM_RESTART_COUNT = 1, 2, ...) at most ``max_restarts`` times, then go on without it. Any
-    failure makes the exit status non-zero (the first failed rank's status)."""
+    failure makes the exit status non-zero (the first failed rank's status). ``bind_to``: ``core``
+    (the default, ``auto``, and AHCOMM_BIND) binds local rank ``i`` to the ``i % n``-th of this
+    process's ``n`` cores and says so in AHCOMM_CORES; ``none`` leaves the ranks free."""
     if on_failure not in ON_FAILURE:
         raise ValueError(f"on_failure must be one of {', '.join(ON_FAILURE)}, not {on_failure!r}")
     port = master_port or free_port(master_addr)
@@ -139,7 +147,10 @@ async def launch(nprocs: int, program: Sequence[str], *, tag_output: bool | None
     # Ranks inherit SIGUSR1 ignored: one that has no communicator (yet) to report is not killed
     # by it; a communicator installs its own handler.
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)
-    setup = child_setup()
+    cores = allowed_cores()
+    binding = plan(nprocs, bind_mode(bind_to), cores)
+    if binding is not None:
+        rank_cores(base, len(cores))
     watchdog = Watchdog(grace)
     status = 0
     restarts = [0] * nprocs
@@ -152,8 +163,9 @@ async def launch(nprocs: int, program: Sequence[str], *, tag_output: bool | None
         if restarts[local]:
             rank_vars[RESTART_VAR] = str(restarts[local])
         try:
-            proc = await asyncio.create_subprocess_exec(*argv, env=rank_vars, stdout=pipe, stderr=pipe,
-                                                        start_new_session=True, preexec_fn=setup)
+            proc = await asyncio.create_subprocess_exec(
+                *argv, env=rank_vars, stdout=pipe, stderr=pipe, start_new_session=True,
+                preexec_fn=child_setup(None if binding is None else binding[local]))
         except OSError as exc:
             print(f"ahcomm-run: cannot start {argv[0]!r}: {exc.strerror or exc}", file=sys.stderr, flush=True)
             return 127 if isinstance(exc, FileNotFoundError) else 126
@@ -271,7 +283,7 @@ def read_hostfile(path: str) -> list[tuple[str, int]]:
 
 async def launch_hosts(hosts: list[tuple[str, int]], program: Sequence[str], *, master_addr: str | None,
                        master_port: int | None, tag_output: bool | None, grace: float,
-                       on_failure: str = "stop", max_restarts: int = 0) -> int:
+                       on_failure: str = "stop", max_restarts: int = 0, bind_to: str | None = None) -> int:
     """mpirun's style: one launcher per host, started through AHCOMM_RSH (default ``ssh``);
     the job secret goes to each over its standard input, never on a command line."""
     import shlex
@@ -289,7 +301,7 @@ async def launch_hosts(hosts: list[tuple[str, int]], program: Sequence[str], *, 
         remote = [sys.executable, "-m", "ahcomm.run", "--secret-stdin", "--nproc-per-node", str(slots),
                   "--first-rank", str(first), "--world-size", str(size), "--master-addr", addr,
                   "--master-port", str(port), "--grace", str(grace), "--on-failure", on_failure,
-                  "--max-restarts", str(max_restarts),
+                  "--max-restarts", str(max_restarts), "--bind-to", bind_mode(bind_to),
                   "--tag-output" if tag else "--no-tag-output",
                   *command_line(program)]
         line = f"cd {shlex.quote(os.getcwd())} && exec {shlex.join(remote)}"
@@ -350,6 +362,9 @@ def main(argv: Sequence[str] | None = None) -> None:
                         help="when a rank fails: stop the others (default), let them continue, or restart it")
     parser.add_argument("--max-restarts", type=int, default=None,
                         help="with --on-failure restart: restarts per rank (default 3)")
+    parser.add_argument("--bind-to", choices=MODES, default=None,
+                        help="core: bind local rank i to the (i %% n)-th of this host's n cores, round robin "
+                             "(the default, auto; AHCOMM_BIND); none: leave the ranks free")
     parser.add_argument("program", nargs=argparse.REMAINDER, help="program and its arguments")
     args = parser.parse_args(argv)
     if not args.program:
@@ -359,6 +374,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.max_restarts and args.on_failure != "restart":
         parser.error("--max-restarts needs --on-failure restart")
     restarts = (3 if args.max_restarts is None else args.max_restarts) if args.on_failure == "restart" else 0
+    try:
+        bind_to = bind_mode(args.bind_to)
+    except ConfigError as exc:
+        parser.error(str(exc))
     if args.secret_stdin:
         os.environ[SECRET_VAR] = sys.stdin.readline().strip()
     if args.hosts or args.hostfile:
@@ -369,7 +388,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         sys.exit(asyncio.run(launch_hosts(hosts, args.program, master_addr=args.master_addr,
                                           master_port=args.master_port, tag_output=args.tag_output,
                                           grace=args.grace, on_failure=args.on_failure,
-                                          max_restarts=restarts)))
+                                          max_restarts=restarts, bind_to=bind_to)))
     if args.nproc is None:
         parser.error("-n is required: how many ranks to start on this host (e.g. -n 4)")
     if args.nproc < 1:
@@ -392,7 +411,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                                 master_addr=args.master_addr or "127.0.0.1", master_port=args.master_port,
                                 grace=args.grace, first_rank=first, world_size=size,
                                 watch_stdin=args.secret_stdin, on_failure=args.on_failure,
-                                max_restarts=restarts)))
+                                max_restarts=restarts, bind_to=bind_to)))
 
 
 if __name__ == "__main__":
