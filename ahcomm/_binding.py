@@ -52,9 +52,19 @@ def plan(nprocs: int, mode: str, cores: list[int]) -> list[set[int]] | None:
     return [{cores[i % n]} for i in range(nprocs)]
 
 
-def rank_cores(env: dict[str, str], ncores: int) -> None:
-    """Tell a bound rank the cores the host's ranks share (AHCOMM_CORES), unless already said."""
-    env.setdefault(CORES_VAR, str(ncores))
+def rank_cores(env: dict[str, str], ncores: int | None) -> None:
+    """Tell bound ranks how many cores the host's ranks share (AHCOMM_CORES = ``ncores``); free
+    ranks (``None``) drop an inherited value (a launcher started by a bound rank): their own
+    affinity says it."""
+    if ncores is None:
+        env.pop(CORES_VAR, None)
+    else:
+        env[CORES_VAR] = str(ncores)
+
+
+def own_cores() -> int:
+    """The cores this process itself may run on (a bound rank's own, not the host's)."""
+    return len(allowed_cores()) or 1
 
 
 def cores_from_env() -> int | None:

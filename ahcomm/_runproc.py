@@ -50,8 +50,13 @@ def child_setup(cores: set[int] | None = None) -> Callable[[], None]:
     launcher = os.getpid()
 
     def setup() -> None:
-        if cores is not None:
-            os.sched_setaffinity(0, cores)
+        if cores is not None:  # cores the launcher may no longer use (a changed cpuset): left free
+            try:
+                usable = cores & os.sched_getaffinity(0)
+                if usable:
+                    os.sched_setaffinity(0, usable)
+            except OSError:
+                pass
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, signal.SIG_DFL)
         if prctl is not None:

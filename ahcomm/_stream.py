@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from ._binding import own_cores
 from ._config import copy_engine_mode, usable_cores
 from ._memcopy import copy
 from ._notify import Notify
@@ -53,15 +54,17 @@ NO_ENGINE = 1 << 62  # ``engine_bytes`` of a stream that runs every memory task 
 
 def engine_bytes_for(ranks_here: int) -> int:
     """The ``engine_bytes`` of a rank's streams where ``ranks_here`` ranks share its host:
-    ``ENGINE_THRESHOLD`` where they are fewer than this process's cores (the engines copy on
-    cores no rank needs), else ``NO_ENGINE``. Measured at 4 ranks on 2 cores, ring all_gather
-    2 MiB: 7.7-10.5 ms a call with engines, 4.0-4.3 ms inline (CPU per rank 2.8-3.8 ms against
-    1.5-1.8, context switches 47-53 against 17-20); at 2 ranks on 2 cores mesh all_reduce 64 MiB
-    11.4-14.6 ms inline against 15.0-17.1 (benchmarks/results/2026-11-26-inline-copies.md).
+    ``ENGINE_THRESHOLD`` where they are fewer than the host's cores and this process has more
+    than one core of its own (the engines copy on cores no rank needs), else ``NO_ENGINE``.
+    Measured at 4 ranks on 2 cores, ring all_gather 2 MiB: 7.7-10.5 ms a call with engines,
+    4.0-4.3 ms inline (CPU per rank 2.8-3.8 ms against 1.5-1.8, context switches 47-53 against
+    17-20); at 2 ranks on 2 cores mesh all_reduce 64 MiB 11.4-14.6 ms inline against 15.0-17.1
+    (benchmarks/results/2026-11-26-inline-copies.md).
     ``AHCOMM_COPY_ENGINE`` (``auto``, ``on``, ``off``) overrides."""
     mode = copy_engine_mode()
     if mode == "auto":
-        mode = "on" if ranks_here < usable_cores() else "off"
+        # a rank bound to one core of its own has no spare one, however many the host has
+        mode = "on" if ranks_here < usable_cores() and own_cores() > 1 else "off"
     return ENGINE_THRESHOLD if mode == "on" else NO_ENGINE
 
 

@@ -38,7 +38,7 @@ import signal
 import sys
 from collections.abc import Sequence
 
-from ._binding import MODES, allowed_cores, bind_mode, plan, rank_cores
+from ._binding import MODES, allowed_cores, bind_mode, cores_from_env, plan, rank_cores
 from ._errors import ConfigError
 from ._nodes import agree
 from ._rootinfo import free_port
@@ -117,10 +117,13 @@ async def launch(nprocs: int, program: Sequence[str], *, tag_output: bool | None
     ``grace``), let them ``continue``, or ``restart`` the failed rank (same rank and environment plus
     AHCOMM_RESTART_COUNT = 1, 2, ...) at most ``max_restarts`` times, then go on without it. Any
     failure makes the exit status non-zero (the first failed rank's status). ``bind_to``: ``core``
-    (the default, ``auto``, and AHCOMM_BIND) binds local rank ``i`` to the ``i % n``-th of this
-    process's ``n`` cores and says so in AHCOMM_CORES; ``none`` leaves the ranks free."""
+    (the default, ``auto``, and AHCOMM_BIND) gives each rank cores of its own out of this
+    process's (``_binding.plan``) and says how many they share in AHCOMM_CORES; ``none`` leaves
+    the ranks free."""
     if on_failure not in ON_FAILURE:
         raise ValueError(f"on_failure must be one of {', '.join(ON_FAILURE)}, not {on_failure!r}")
+    cores = allowed_cores()
+    binding = plan(nprocs, bind_mode(bind_to), cores)  # a bad AHCOMM_BIND raises before anything starts
     port = master_port or free_port(master_addr)
     size = nprocs if world_size is None else world_size
     tag = nprocs > 1 if tag_output is None else tag_output
@@ -131,6 +134,7 @@ async def launch(nprocs: int, program: Sequence[str], *, tag_output: bool | None
     pumps: list[asyncio.Task[None]] = []
     base = dict(os.environ if env is None else env)
     base[SECRET_VAR] = job_secret(base)
+    rank_cores(base, None if binding is None else len(cores))
     if tag:
         base.setdefault("PYTHONUNBUFFERED", "1")  # lines reach the tagger as they are printed
     loop = asyncio.get_running_loop()
@@ -147,10 +151,6 @@ async def launch(nprocs: int, program: Sequence[str], *, tag_output: bool | None
     # Ranks inherit SIGUSR1 ignored: one that has no communicator (yet) to report is not killed
     # by it; a communicator installs its own handler.
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)
-    cores = allowed_cores()
-    binding = plan(nprocs, bind_mode(bind_to), cores)
-    if binding is not None:
-        rank_cores(base, len(cores))
     watchdog = Watchdog(grace)
     status = 0
     restarts = [0] * nprocs
@@ -363,8 +363,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--max-restarts", type=int, default=None,
                         help="with --on-failure restart: restarts per rank (default 3)")
     parser.add_argument("--bind-to", choices=MODES, default=None,
-                        help="core: bind local rank i to the (i %% n)-th of this host's n cores, round robin "
-                             "(the default, auto; AHCOMM_BIND); none: leave the ranks free")
+                        help="core: give each rank cores of its own out of the launcher's n cores (n // ranks or "
+                             "one more; one each, round robin, where ranks outnumber cores); the default, auto; "
+                             "AHCOMM_BIND. none: leave the ranks free")
     parser.add_argument("program", nargs=argparse.REMAINDER, help="program and its arguments")
     args = parser.parse_args(argv)
     if not args.program:
@@ -376,6 +377,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     restarts = (3 if args.max_restarts is None else args.max_restarts) if args.on_failure == "restart" else 0
     try:
         bind_to = bind_mode(args.bind_to)
+        cores_from_env()
     except ConfigError as exc:
         parser.error(str(exc))
     if args.secret_stdin:

@@ -1,5 +1,5 @@
-"""ahcomm-run binds each rank to a core (mpirun's --bind-to core, round robin where ranks
-outnumber cores) and tells it how many cores the host's ranks share (AHCOMM_CORES), so that the
+"""ahcomm-run binds each rank to cores of its own (mpirun's --bind-to core; one core each, round
+robin, where ranks outnumber cores) and tells it how many cores the host's ranks share (AHCOMM_CORES), so that the
 spin, copy-engine and cost-model rules still see the host's cores, not the rank's one."""
 
 from __future__ import annotations
@@ -86,3 +86,48 @@ def test_a_bad_binding_is_one_line() -> None:
     bad = launch("-n", "2", "python", "-c", "pass", env={"AHCOMM_BIND": "numa"})
     assert bad.returncode == 2 and "AHCOMM_BIND / --bind-to must be one of auto, core, none, got 'numa'" in bad.stderr
     assert "Traceback" not in bad.stderr, bad.stderr
+
+
+@pytest.mark.multiprocess
+def test_launcher_checks_ahcomm_cores_in_one_line() -> None:
+    bad = launch("-n", "2", "python", "-c", "pass", env={"AHCOMM_CORES": "abc"})
+    assert bad.returncode == 2 and "AHCOMM_CORES must be a whole number of cores" in bad.stderr, bad.stderr
+    assert "Traceback" not in bad.stderr, bad.stderr
+    bench = subprocess.run([sys.executable, "-m", "ahcomm.bench", "all_reduce", "-e", "8"], cwd=ROOT,
+                           env=job_env({"AHCOMM_BIND": "numa"}), capture_output=True, text=True, timeout=60)
+    assert bench.returncode == 1 and "Traceback" not in bench.stderr, bench.stderr
+    assert "AHCOMM_BIND / --bind-to must be one of" in bench.stderr, bench.stderr
+
+
+@pytest.mark.multiprocess
+@pytest.mark.skipif(len(CORES) < 2, reason="binding needs 2 or more cores to choose from")
+def test_free_ranks_drop_an_inherited_core_count() -> None:
+    """A launcher started by a bound rank (one core, so it binds nothing) must not pass the outer
+    job's AHCOMM_CORES on: its ranks share one core, not the outer host's count."""
+    seen = ranks_seen(launch("--bind-to", "none", "-n", "2", "python", "-c", SHOW, env={"AHCOMM_CORES": "64"}))
+    assert seen == {0: (str(CORES), "None"), 1: (str(CORES), "None")}
+    seen = ranks_seen(launch("-n", "2", "python", "-c", SHOW, env={"AHCOMM_CORES": "64"}))
+    assert {told for _, told in seen.values()} == {str(len(CORES))}  # a binding launcher says its own
+
+
+def test_a_core_the_launcher_cannot_use_leaves_the_rank_free() -> None:
+    """A plan naming a core outside the launcher's cpuset (changed since) starts the rank unbound
+    instead of failing the launch in preexec_fn."""
+    from ahcomm._runproc import child_setup
+
+    proc = subprocess.run([sys.executable, "-c", "import os; print(sorted(os.sched_getaffinity(0)))"],
+                          preexec_fn=child_setup({4095}), capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and proc.stdout.strip() == str(CORES), proc
+
+
+def test_a_rank_bound_to_one_core_runs_its_copies_inline(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Engines copy on spare cores: a rank bound to one core of its own has none, whatever the
+    host's count (3 ranks on 4 cores get {0}, {1}, {2, 3})."""
+    import ahcomm._stream as stream
+
+    monkeypatch.delenv("AHCOMM_COPY_ENGINE", raising=False)
+    monkeypatch.setattr(stream, "usable_cores", lambda: 4)
+    monkeypatch.setattr(stream, "own_cores", lambda: 1)
+    assert stream.engine_bytes_for(3) == stream.NO_ENGINE
+    monkeypatch.setattr(stream, "own_cores", lambda: 2)
+    assert stream.engine_bytes_for(3) == stream.ENGINE_THRESHOLD
