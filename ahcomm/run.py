@@ -14,9 +14,9 @@ the environment only (readable by the same user alone), never on a command line.
 also gets torchrun's RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and
 MASTER_PORT (a port of its own for torch.distributed's store), so torch scripts run unchanged.
 
-Ranks are bound to cores (``--bind-to core``, the default; AHCOMM_BIND; ``_binding``): cores of
-their own, or one each round robin where they outnumber the cores, and AHCOMM_CORES says how
-many the host's ranks share; ``--bind-to none`` leaves them free.
+Where ranks outnumber the cores they are bound one core each, round robin (``--bind-to auto``, the
+default; AHCOMM_BIND; ``_binding``), and AHCOMM_CORES says how many the host's ranks share;
+``--bind-to core`` binds at any count, ``none`` never.
 
 SIGINT/SIGTERM are forwarded to every rank, and SIGUSR1 (each rank prints its state). If a
 rank fails, the others are stopped (SIGTERM, then SIGKILL after ``--grace`` seconds) and
@@ -116,10 +116,10 @@ async def launch(nprocs: int, program: Sequence[str], *, tag_output: bool | None
     ``on_failure``: what a rank's failure does to the others: ``stop`` them (SIGTERM, SIGKILL after
     ``grace``), let them ``continue``, or ``restart`` the failed rank (same rank and environment plus
     AHCOMM_RESTART_COUNT = 1, 2, ...) at most ``max_restarts`` times, then go on without it. Any
-    failure makes the exit status non-zero (the first failed rank's status). ``bind_to``: ``core``
-    (the default, ``auto``, and AHCOMM_BIND) gives each rank cores of its own out of this
-    process's (``_binding.plan``) and says how many they share in AHCOMM_CORES; ``none`` leaves
-    the ranks free."""
+    failure makes the exit status non-zero (the first failed rank's status). ``bind_to`` (default
+    AHCOMM_BIND, else ``auto``): ``core`` gives each rank cores of its own out of this process's
+    (``_binding.plan``) and says how many they share in AHCOMM_CORES, ``auto`` does so only where
+    the ranks outnumber the cores, ``none`` leaves the ranks free."""
     if on_failure not in ON_FAILURE:
         raise ValueError(f"on_failure must be one of {', '.join(ON_FAILURE)}, not {on_failure!r}")
     cores = allowed_cores()
@@ -364,8 +364,8 @@ def main(argv: Sequence[str] | None = None) -> None:
                         help="with --on-failure restart: restarts per rank (default 3)")
     parser.add_argument("--bind-to", choices=MODES, default=None,
                         help="core: give each rank cores of its own out of the launcher's n cores (n // ranks or "
-                             "one more; one each, round robin, where ranks outnumber cores); the default, auto; "
-                             "AHCOMM_BIND. none: leave the ranks free")
+                             "one more; one each, round robin, where ranks outnumber cores). auto (the default; "
+                             "AHCOMM_BIND): bind only where ranks outnumber cores. none: leave the ranks free")
     parser.add_argument("program", nargs=argparse.REMAINDER, help="program and its arguments")
     args = parser.parse_args(argv)
     if not args.program:

@@ -23,7 +23,9 @@ CORES = sorted(os.sched_getaffinity(0))
 
 def test_plan_is_round_robin_over_the_allowed_cores() -> None:
     assert plan(5, "core", [2, 3]) == [{2}, {3}, {2}, {3}, {2}]
-    assert plan(2, "auto", [0, 1, 2, 3]) == [{0, 1}, {2, 3}]  # a rank's copy threads keep a spare core
+    assert plan(2, "core", [0, 1, 2, 3]) == [{0, 1}, {2, 3}]  # a rank's copy threads keep a spare core
+    assert plan(2, "auto", [0, 1, 2, 3]) is None  # auto: only where ranks outnumber cores
+    assert plan(3, "auto", [0, 1]) == [{0}, {1}, {0}]
     assert plan(3, "core", [0, 1, 2, 3, 4]) == [{0}, {1, 2}, {3, 4}]
     assert plan(2, "core", [0, 1]) == [{0}, {1}]
     assert plan(4, "none", [0, 1]) is None
@@ -82,6 +84,16 @@ def test_bind_to_none_leaves_ranks_free() -> None:
 
 
 @pytest.mark.multiprocess
+@pytest.mark.skipif(len(CORES) < 2, reason="binding needs 2 or more cores to choose from")
+def test_auto_binds_only_where_ranks_outnumber_cores() -> None:
+    n = len(CORES)
+    seen = ranks_seen(launch("-n", str(n), "python", "-c", SHOW, env={"AHCOMM_BIND": "auto"}))
+    assert seen == {i: (str(CORES), "None") for i in range(n)}
+    seen = ranks_seen(launch("-n", str(n), "--bind-to", "core", "python", "-c", SHOW))
+    assert seen == {i: (str(sorted(c)), str(n)) for i, c in enumerate(plan(n, "core", CORES) or [])}
+
+
+@pytest.mark.multiprocess
 def test_a_bad_binding_is_one_line() -> None:
     bad = launch("-n", "2", "python", "-c", "pass", env={"AHCOMM_BIND": "numa"})
     assert bad.returncode == 2 and "AHCOMM_BIND / --bind-to must be one of auto, core, none, got 'numa'" in bad.stderr
@@ -106,7 +118,7 @@ def test_free_ranks_drop_an_inherited_core_count() -> None:
     job's AHCOMM_CORES on: its ranks share one core, not the outer host's count."""
     seen = ranks_seen(launch("--bind-to", "none", "-n", "2", "python", "-c", SHOW, env={"AHCOMM_CORES": "64"}))
     assert seen == {0: (str(CORES), "None"), 1: (str(CORES), "None")}
-    seen = ranks_seen(launch("-n", "2", "python", "-c", SHOW, env={"AHCOMM_CORES": "64"}))
+    seen = ranks_seen(launch("-n", "2", "--bind-to", "core", "python", "-c", SHOW, env={"AHCOMM_CORES": "64"}))
     assert {told for _, told in seen.values()} == {str(len(CORES))}  # a binding launcher says its own
 
 
