@@ -7,16 +7,15 @@ rank ``i`` (mpirun's ``--bind-to core``, round robin); ``none`` leaves the sched
 ``auto`` (the default) binds where the ranks outnumber the cores and leaves them free elsewhere
 (measured at 2 ranks on 2 cores: all_reduce and all_gather level, but a 32/64 MiB direct
 broadcast 20-30% slower bound: the reader's two copy threads shared its one core while the
-root's idled). A bound rank is told how many cores
-the host's ranks share (AHCOMM_CORES): its own affinity is one core, and the spin, copy-engine
-and cost-model rules weigh the host's ranks against the host's cores (``usable_cores``).
+root's idled). A bound rank is told how many cores the host's ranks share (AHCOMM_CORES): its
+own affinity may be one core, and the spin, copy-engine and cost-model rules weigh the host's
+ranks against the host's cores (``usable_cores``).
 
 Why bind where ranks share cores: measured at 4 ranks on 2 cores (2 MiB twoshot all_reduce,
-windows of 50 calls), unbound runs fell into stretches of 1.2-3.5 ms a call (the scheduler
+windows of 20-100 calls), unbound runs fell into stretches of 1.2-3.5 ms a call (the scheduler
 moved ranks so that a rank's yield no longer handed its core to the peer it waited for) around
-a steady 0.8 ms; bound runs held 0.8-0.9 ms (results/2026-11-26-binding.md).
+a steady 0.8 ms; bound runs mostly held 0.8-0.9 ms (results/2026-11-26-binding.md).
 """
-
 from __future__ import annotations
 
 import os
@@ -33,6 +32,13 @@ def bind_mode(value: str | None = None) -> str:
     if raw not in MODES:
         raise ConfigError(f"AHCOMM_BIND / --bind-to must be one of {', '.join(MODES)}, got {raw!r}")
     return raw
+
+
+def checked_mode(value: str | None = None) -> str:
+    """``bind_mode(value)``, with AHCOMM_CORES checked too: what a launcher asks before it starts
+    anything, so that a bad setting is one line there and not a traceback in every rank."""
+    cores_from_env()
+    return bind_mode(value)
 
 
 def allowed_cores() -> list[int]:

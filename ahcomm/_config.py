@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from . import _slurm
-from ._binding import cores_from_env
+from ._binding import allowed_cores, cores_from_env
 from ._errors import ConfigError
 from ._torchrun import agent_store
 
@@ -20,12 +20,7 @@ def usable_cores() -> int:
     a core says so, else the cores this process may run on (its affinity: a container's cpuset,
     not the host's count)."""
     told = cores_from_env()
-    if told is not None:
-        return told
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
+    return told if told is not None else len(allowed_cores()) or os.cpu_count() or 1
 
 def last_level_cache(root: str = "/sys/devices/system/cpu/cpu0/cache") -> int:
     """Bytes of the last-level cache of this host's first CPU (sysfs: the highest ``level`` of

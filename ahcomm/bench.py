@@ -610,12 +610,12 @@ def main(argv: Sequence[str] | None = None) -> None:
         if args.plot_peers and not os.path.isfile(args.plot_peers):
             sys.exit(f"ahcomm-bench: --plot-peers {args.plot_peers}: no such file")
     if "AHCOMM_RANK" not in os.environ and "RANK" not in os.environ and "OMPI_COMM_WORLD_RANK" not in os.environ:
-        from ._binding import bind_mode, cores_from_env
+        from ._binding import checked_mode
         from ._errors import ConfigError
         from .run import launch
 
         try:
-            bind_mode(), cores_from_env()
+            checked_mode()
         except ConfigError as exc:
             sys.exit(f"ahcomm-bench: {exc}")
         sys.exit(asyncio.run(launch(args.nproc, [sys.executable, "-m", "ahcomm.bench", *argv])))

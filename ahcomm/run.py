@@ -38,7 +38,7 @@ import signal
 import sys
 from collections.abc import Sequence
 
-from ._binding import MODES, allowed_cores, bind_mode, cores_from_env, plan, rank_cores
+from ._binding import MODES, allowed_cores, bind_mode, checked_mode, plan, rank_cores
 from ._errors import ConfigError
 from ._nodes import agree
 from ._rootinfo import free_port
@@ -376,8 +376,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         parser.error("--max-restarts needs --on-failure restart")
     restarts = (3 if args.max_restarts is None else args.max_restarts) if args.on_failure == "restart" else 0
     try:
-        bind_to = bind_mode(args.bind_to)
-        cores_from_env()
+        bind_to = checked_mode(args.bind_to)
     except ConfigError as exc:
         parser.error(str(exc))
     if args.secret_stdin:

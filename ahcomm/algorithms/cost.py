@@ -136,7 +136,9 @@ class CostModel:
     def engines_at(self, ranks_here: int) -> bool:
         """Whether the streams of ``ranks_here`` ranks sharing a host hand big memory tasks to copy
         engines: not where they are as many as its cores or more (they copy inline:
-        ``ahcomm._stream.engine_bytes_for``); always where the cores are unknown."""
+        ``ahcomm._stream.engine_bytes_for``); always where the cores are unknown. (A rank that
+        ``--bind-to core`` left one core of its own, on a host with cores to spare, copies inline
+        where this says engines: the model prices every rank alike.)"""
         return self.cores <= 0 or ranks_here < self.cores
 
     def engine_cost(self, topo: Topology) -> float:
@@ -203,9 +205,10 @@ def cache_path() -> Path:
 def load() -> CostModel:
     """The cached calibration, or the defaults when there is none (or it cannot be read).
 
-    Where the file does not say how many cores the host has, this process's usable cores are
-    taken (its affinity, as calibrate counts them and as ``engine_bytes_for`` decides whether the
-    streams copy inline; only rank 0's model is used by a job, so every rank still agrees).
+    Where the file does not say how many cores the host has, the host's cores for its ranks are
+    taken (``usable_cores``: AHCOMM_CORES, else this process's affinity), as calibrate counts
+    them and as ``engine_bytes_for`` decides whether the streams copy inline; only rank 0's model
+    is used by a job, so every rank still agrees.
     """
     path = cache_path()
     try:
