@@ -10,6 +10,7 @@ op's measurement at each rank count (this VM's copy and link rates drift by up t
 minutes: a model calibrated minutes before a measurement describes another moment). The same
 algorithm (ring, ``--algorithm``) runs in both, all ranks on one server (``sdma`` links).
 ``ahcomm-bench`` sizes count every block of all_gather; the simulator's count one rank's block.
+Broadcast is measured in place (``--inplace``), as the simulator runs it.
 ``with --cpu``: the simulator's CPU pool (the model's cores per server shared by copies,
 reductions, puts, engine hand-offs and each post's CPU work, half the sender's and half the
 receiver's; copies at once share the memory bandwidth).
@@ -43,6 +44,8 @@ def measure(op: str, n: int, algorithm: str, iters: int, tmp: Path, env: dict[st
     cmd = [sys.executable, "-m", "ahcomm.bench", "-n", str(n), op, "-b", str(lo), "-e", str(hi), "-f", str(hi // lo),
            "-c", "0",
            "-w", "2", "-i", str(iters), "--max-seconds", "2", "--algorithm", algorithm, "--json", str(out)]
+    if op == "broadcast":  # as the simulator runs it (and MPI_Bcast, torch's broadcast): out of place, the
+        cmd.append("--inplace")  # root also copies its input to its output, 2x the time at 2 ranks
     subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL)
     rows = json.loads(out.read_text())["rows"]
     return {int(r["size"]): float(r["median_us"]) for r in rows}

@@ -9,6 +9,7 @@ import math
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from ahcomm._config import last_level_cache
 from ahcomm.algorithms import REGISTRY, Call, Topology
@@ -86,3 +87,31 @@ def test_calibrate_measures_the_in_cache_rates() -> None:
     copy, reduce = hot_rates(2, rounds=20, passes=2)
     for rate in (copy, reduce):
         assert math.isfinite(rate) and 1 / 2000e9 < rate < 1 / 0.1e9
+
+
+def test_an_in_cache_rate_slower_than_from_memory_keeps_the_memory_rate() -> None:
+    disturbed = dataclasses.replace(HOT, copy_hot=1 / 3.1e9)  # a calibration's stolen pass
+    warm = disturbed.for_call(2, 2 * MIB)
+    assert warm.copy == HOT.copy and warm.gamma == HOT.gamma_hot
+
+
+def test_the_in_cache_rates_come_from_the_fastest_pass(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two of three passes slowed throughout (a stolen stretch) leave the third's rate."""
+    import itertools
+    import threading
+
+    from ahcomm import bench
+
+    calls, clock, lock = itertools.count(), [0.0], threading.Lock()
+    slow, fast, rounds = 1e-3, 1e-5, 10
+
+    def thread_time() -> float:  # each operation reads the clock twice; the first two passes are slow
+        with lock:
+            i = next(calls)
+            if i % 2:
+                clock[0] += slow if i < 2 * 2 * rounds else fast
+            return clock[0]
+
+    monkeypatch.setattr(bench.time, "thread_time", thread_time)
+    copy, reduce = bench.hot_rates(1, rounds=rounds, passes=3)
+    assert math.isclose(copy * bench.HOT_PIECE, fast) and math.isclose(reduce * bench.HOT_PIECE, fast)
