@@ -115,3 +115,31 @@ def test_the_in_cache_rates_come_from_the_fastest_pass(monkeypatch: pytest.Monke
     monkeypatch.setattr(bench.time, "thread_time", thread_time)
     copy, reduce = bench.hot_rates(1, rounds=rounds, passes=3)
     assert math.isclose(copy * bench.HOT_PIECE, fast) and math.isclose(reduce * bench.HOT_PIECE, fast)
+
+
+def test_staged_copies_beyond_the_cache_cost_half_a_copy() -> None:
+    """A copy into or out of a mailbox slot (which the cache keeps) sends half its traffic through
+    memory: priced at ``STAGED`` of a copy where the host's ranks' inputs and outputs exceed the
+    last-level cache, a full copy where they fit or the cache is unknown."""
+    from ahcomm.algorithms.cost import STAGED, Work
+
+    model = CostModel(copy=1e-10, cores=2, cache=32 * MIB)
+    two = _topo(2)
+    work = Work(staged=MIB)
+    assert math.isclose(work.seconds(model.for_call(2, 8 * MIB), two), MIB * 1e-10)  # 32 MiB of data: fits
+    assert math.isclose(work.seconds(model.for_call(2, 9 * MIB), two), STAGED * MIB * 1e-10)
+    assert math.isclose(work.seconds(dataclasses.replace(model, cache=0).for_call(2, 64 * MIB), two), MIB * 1e-10)
+
+
+def test_all_gather_beyond_the_cache_goes_through_the_slots() -> None:
+    """np=2: direct (one copy per byte) where the data fits the cache, oneshot (through its slots,
+    memory traffic once per byte) beyond it; np=4 from 8 MiB (results/2026-11-26-staged-copies.md)."""
+    model = CostModel(cores=2, cache=32 * MIB)
+
+    def pick(n: int, total: int) -> str:
+        call = Call(op="all_gather", seq=0, dtype=np.dtype(np.float32), count=total // n // 4)
+        return Selector(REGISTRY, "", model).choose(call, _topo(n)).name
+
+    assert [pick(2, mib * MIB) for mib in (2, 4, 8, 16, 32, 64)] == \
+        ["oneshot", "direct", "direct", "oneshot", "oneshot", "oneshot"]
+    assert [pick(4, mib * MIB) for mib in (4, 8, 32)] == ["oneshot", "oneshot", "oneshot"]
