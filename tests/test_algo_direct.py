@@ -147,20 +147,16 @@ async def test_fallback_without_single_copy(size: int, rng: np.random.Generator,
     await check_matrix(size, rng, single_copy=False)
 
 
-async def test_selected_for_large_calls_on_one_host(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("ahcomm.algorithms.cost.last_level_cache", lambda: 32 << 20)  # as this host's
+async def test_selected_for_large_calls_on_one_host() -> None:
     comms = await ahcomm.init_inprocess(2)
     try:
         for op in ("broadcast", "all_gather"):
             assert comms[0].explain(op, 2, np.float32)[0] == "oneshot"
+        # 2 ranks: a large broadcast is read once, straight from the root (4-8 MiB through
+        # oneshot's slots measured 1.4-2.3x faster); all_gathers go through the slots at every size
+        assert comms[0].explain("broadcast", 1 << 21, np.float32)[0] == "oneshot"  # 8 MiB
         assert comms[0].explain("broadcast", 16 << 20, np.float32)[0] == "direct"  # 64 MiB
-        # beyond the cache oneshot's copies through its slots go through memory once (cost.STAGED)
         assert comms[0].explain("all_gather", 16 << 20, np.float32)[0] == "oneshot"
-        # 2 MiB (all_gather: in all) through oneshot's 1 MiB slots: measured 1.0-2.8x faster; 4 MiB direct
-        assert comms[0].explain("broadcast", 1 << 19, np.float32)[0] == "oneshot"
-        assert comms[0].explain("all_gather", 1 << 18, np.float32)[0] == "oneshot"
-        assert comms[0].explain("broadcast", 1 << 20, np.float32)[0] == "direct"
-        assert comms[0].explain("all_gather", 1 << 19, np.float32)[0] == "direct"
         assert "direct" not in comms[0].explain("all_reduce", 16 << 20, np.float32)[1]
     finally:
         await asyncio.gather(*(c.close() for c in comms))

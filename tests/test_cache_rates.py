@@ -117,29 +117,33 @@ def test_the_in_cache_rates_come_from_the_fastest_pass(monkeypatch: pytest.Monke
     assert math.isclose(copy * bench.HOT_PIECE, fast) and math.isclose(reduce * bench.HOT_PIECE, fast)
 
 
-def test_staged_copies_beyond_the_cache_cost_half_a_copy() -> None:
+def test_staged_copies_cost_half_a_copy_and_single_copy_reads_a_pin_more() -> None:
     """A copy into or out of a mailbox slot (which the cache keeps) sends half its traffic through
-    memory: priced at ``STAGED`` of a copy where the host's ranks' inputs and outputs exceed the
-    last-level cache, a full copy where they fit or the cache is unknown."""
-    from ahcomm.algorithms.cost import STAGED, Work
+    memory: ``STAGED`` of a copy, a full (in-cache) copy where the call is hot. A read through the
+    kernel costs ``PIN`` a byte on top of its copy."""
+    from ahcomm.algorithms.cost import PIN, STAGED, Work
 
-    model = CostModel(copy=1e-10, cores=2, cache=32 * MIB)
     two = _topo(2)
     work = Work(staged=MIB)
-    assert math.isclose(work.seconds(model.for_call(2, 8 * MIB), two), MIB * 1e-10)  # 32 MiB of data: fits
-    assert math.isclose(work.seconds(model.for_call(2, 9 * MIB), two), STAGED * MIB * 1e-10)
-    assert math.isclose(work.seconds(dataclasses.replace(model, cache=0).for_call(2, 64 * MIB), two), MIB * 1e-10)
+    assert math.isclose(work.seconds(HOT, two), STAGED * MIB * HOT.copy)
+    assert math.isclose(work.seconds(HOT.for_call(2, 2 * MIB), two), MIB * HOT.copy_hot)
+    read = Work(copied=MIB, pinned=MIB)
+    assert math.isclose(read.seconds(HOT, two), MIB * (HOT.copy + PIN))
 
 
-def test_all_gather_beyond_the_cache_goes_through_the_slots() -> None:
-    """np=2: direct (one copy per byte) where the data fits the cache, oneshot (through its slots,
-    memory traffic once per byte) beyond it; np=4 from 8 MiB (results/2026-11-26-staged-copies.md)."""
-    model = CostModel(cores=2, cache=32 * MIB)
+def test_oneshot_takes_all_gather_and_broadcast_where_measured_faster() -> None:
+    """all_gather through oneshot's slots at every size (np=2 4-8 MiB level with direct's reads,
+    beyond 1.2-1.8x faster); broadcast too, pipelined slice by slice where a core holds at most
+    two ranks, except np=2 from 16 MiB (direct's one reader); np=8 on 2 cores keeps direct
+    (results/2026-11-26-staged-copies.md)."""
+    model = CostModel(cores=2)
 
-    def pick(n: int, total: int) -> str:
-        call = Call(op="all_gather", seq=0, dtype=np.dtype(np.float32), count=total // n // 4)
+    def pick(op: str, n: int, total: int) -> str:
+        call = Call(op=op, seq=0, dtype=np.dtype(np.float32), count=(total // n if op == "all_gather" else total) // 4)
         return Selector(REGISTRY, "", model).choose(call, _topo(n)).name
 
-    assert [pick(2, mib * MIB) for mib in (2, 4, 8, 16, 32, 64)] == \
-        ["oneshot", "direct", "direct", "oneshot", "oneshot", "oneshot"]
-    assert [pick(4, mib * MIB) for mib in (4, 8, 32)] == ["oneshot", "oneshot", "oneshot"]
+    sizes = [mib * MIB for mib in (2, 4, 8, 16, 32, 64)]
+    assert {pick("all_gather", n, size) for n in (2, 4, 8) for size in sizes} == {"oneshot"}
+    assert [pick("broadcast", 2, size) for size in sizes] == ["oneshot"] * 3 + ["direct"] * 3
+    assert {pick("broadcast", 4, size) for size in sizes} == {"oneshot"}
+    assert [pick("broadcast", 8, size) for size in sizes[2:]] == ["direct"] * 4

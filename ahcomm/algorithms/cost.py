@@ -51,7 +51,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
-from .._config import last_level_cache, usable_cores
+from .._config import usable_cores
 from .._stream import ENGINE_THRESHOLD as ENGINE_BYTES
 from .call import Call, Topology
 
@@ -59,12 +59,18 @@ MODEL_VERSION = 2  # calibrations written with another meaning of the numbers ar
 HALF_BYTES = 32 << 20  # a CCL half at the default AHCOMM_BUFFSIZE: how the executor slices big calls
 FOOTPRINT = 3  # bytes of data a rank touches per byte of its call (input, output, a staging copy)
 # A copy between a user buffer and a mailbox slot (``Work.staged``), as a share of a copy from
-# memory to memory, for calls whose data does not fit the cache: the slot stays in the cache, so
-# half of the copy's traffic goes through memory. Measured on 2 ranks (results/2026-11-26-staged-copies.md):
-# oneshot's all_gather of 16 and 32 MiB, less its slices' steps, copied at 0.52-0.60 of the
-# default copy rate; two processes at once copying 16 MiB through a 1 MiB slot, 0.6-0.7 of a plain
-# copy each (benchmarks/staged_probe.py, the in-cache side included).
+# memory to memory: the slot stays in the cache, so half of the copy's traffic goes through
+# memory. Measured on 2 ranks (results/2026-11-26-staged-copies.md): oneshot's all_gather of 16
+# and 32 MiB, less its slices' steps, copied at 0.52-0.60 of the default copy rate; two processes
+# at once copying 16 MiB through a 1 MiB slot, 0.6-0.7 of a plain copy each
+# (benchmarks/staged_probe.py, the in-cache side included). In cache (``in_cache``) a staged copy
+# costs a copy.
 STAGED = 0.5
+# Seconds per byte a single-copy read (process_vm_readv) costs on top of the copy: the kernel
+# pins every 4 KiB page of the peer's buffer. Measured (benchmarks/staged_probe.py, two processes
+# at once): 4 MiB read in 0.28-0.34 ms against a local copy's 0.12-0.14, 16 MiB 2.3-2.9 against
+# 1.7-2.6 (0.02-0.05 ns a byte).
+PIN = 0.035e-9
 
 
 @dataclass(frozen=True)
@@ -94,7 +100,7 @@ class CostModel:
     cache: int = 0  # bytes of the host's last-level cache (0: unknown; no call is priced in cache)
     copy_hot: float = 0.0  # seconds per byte copied where a call's data stays in cache (``hot``; 0: as ``copy``)
     gamma_hot: float = 0.0  # the same for a byte reduced (0: as ``gamma``)
-    staged: float = 1.0  # a staged copy's share of ``copy`` (``Work.staged``; ``STAGED`` beyond the cache)
+    staged: float = STAGED  # a staged copy's share of ``copy`` (``Work.staged``; 1 in ``in_cache``)
 
     def hot(self, ranks_here: int, whole: float) -> bool:
         """Whether a call of ``whole`` bytes on a host with ``ranks_here`` of its ranks runs out of
@@ -114,22 +120,11 @@ class CostModel:
         disturbed (one read 3.1 GB/s against 12.8 from memory, and the simulator then put a
         2 MiB all_gather at 2.8x its measured time) keeps the memory rate."""
         return replace(self, copy=_faster(self.copy_hot, self.copy), gamma=_faster(self.gamma_hot, self.gamma),
-                       copy_shared=0.0)
-
-    @cached_property
-    def beyond_cache(self) -> "CostModel":
-        """This model with staged copies at ``STAGED`` of a copy's price."""
-        return replace(self, staged=STAGED)
+                       copy_shared=0.0, staged=1.0)
 
     def for_call(self, ranks_here: int, whole: float) -> "CostModel":
-        """The model that prices a call of ``whole`` bytes: ``in_cache`` where it is ``hot``;
-        ``beyond_cache`` where the inputs and outputs of the host's ranks (2 ``whole`` each) do
-        not fit its last-level cache (where they fit, or the cache is unknown, the copies decide,
-        not memory traffic: np=2 all_gather of 4-8 MiB, direct's one copy per byte took 677-1061 us
-        against oneshot's 1.5 at 794-1592)."""
-        if self.hot(ranks_here, whole):
-            return self.in_cache
-        return self.beyond_cache if 0 < self.cache < ranks_here * 2 * whole else self
+        """The model that prices a call of ``whole`` bytes: ``in_cache`` where it is ``hot``."""
+        return self.in_cache if self.hot(ranks_here, whole) else self
 
     @property
     def crowd(self) -> float:
@@ -231,14 +226,13 @@ def load() -> CostModel:
     Where the file does not say how many cores the host has, the host's cores for its ranks are
     taken (``usable_cores``: AHCOMM_CORES, else this process's affinity), as calibrate counts
     them and as ``engine_bytes_for`` decides whether the streams copy inline; only rank 0's model
-    is used by a job, so every rank still agrees. Without a calibration the defaults get this
-    host's last-level cache (sysfs): it says which calls' staged copies go through memory.
+    is used by a job, so every rank still agrees.
     """
     path = cache_path()
     try:
         model = CostModel.from_dict(json.loads(path.read_text()))
-    except (OSError, ValueError, KeyError, TypeError):  # not calibrated: the defaults with this host's cache
-        model = CostModel(cache=last_level_cache())
+    except (OSError, ValueError, KeyError, TypeError):
+        model = CostModel()
     if model.cores <= 0:
         model = replace(model, cores=usable_cores())
     return model
@@ -266,6 +260,7 @@ class Work:
     streams: int = 1  # copy engines the busiest rank keeps busy at once
     threads: bool = False  # ``engines`` and ``streams`` are the algorithm's own threads (direct), not the streams'
     staged: float = 0.0  # bytes copied into or out of a slot the cache keeps (``STAGED``)
+    pinned: float = 0.0  # of ``copied``, bytes read out of another process (``PIN`` more each; sdma links)
 
     def seconds(self, model: CostModel, topo: Topology) -> float:
         """Where the streams copy inline (``CostModel.engines_on``) their memory tasks pay no
@@ -273,7 +268,8 @@ class Work:
         engines_on = self.threads or model.engines_on(topo)
         link = model.link(topo)
         cpu = (self.tasks * model.task + self.engines * (model.engine if engines_on else 0.0) + self.link * link.beta
-               + self.reduced * model.gamma + (self.copied + self.staged * model.staged) * model.copy)
+               + self.reduced * model.gamma + (self.copied + self.staged * model.staged) * model.copy
+               + (self.pinned * PIN if "sdma" in topo.link_kinds else 0.0))  # in one process a read is a memmove
         hop = model.hop(topo, self.busy)
         return ((self.rounds * hop + self.handoffs * (hop - 1.0)) * link.alpha
                 + cpu * model.slowdown(topo, self.busy, self.streams))

@@ -124,7 +124,9 @@ class Mesh(Algorithm):
         Ack round): all_reduce direct a + m c + (n - 1) m g; staged 2 a + (1 + (n - 1) / n) m c +
         (n - 1) / n m g; single copy 3 a + 2 (n - 1) / n m c + (n - 1) / n m g; all_gather a +
         (n + 1) m c, single copy 2 a + n m c; reduce_scatter a + (n - 1) m (c + g); broadcast
-        a + 2 m c, single copy 2 a + m c (the readers work, the root only posts). Each exchange
+        a + 2 m c, single copy 2 a + m c (the readers work, the root only posts); a single-copy
+        read of an all_gather or broadcast pays the kernel's page pinning (``Work.pinned``; all_reduce's
+        reads were measured without it). Each exchange
         posts to every peer; copies fanned out to sub-streams after an exchange are two
         hand-offs. The whole-run ops: ``_mesh_whole.whole_work``."""
         n, op = topo.size, call.op
@@ -146,7 +148,7 @@ class Mesh(Algorithm):
         elif op == "all_gather":
             if sc:
                 work = Work(rounds=2, handoffs=2, copied=n * block, tasks=2 * peers, engines=engine_tasks(block),
-                            streams=fan)
+                            streams=fan, pinned=peers * block)
             else:
                 s = npieces(block, HALF_BYTES)
                 work = Work(rounds=2 * s - 1, handoffs=2 * s, copied=(n + 1) * block, tasks=(2 * s - 1) * peers,
@@ -158,7 +160,7 @@ class Mesh(Algorithm):
         elif sc:  # broadcast, the readers read the root's buffer in two halves at once
             halves = 2 if whole >= SPLIT_BYTES else 1
             work = Work(rounds=2, copied=whole, tasks=peers, engines=engine_tasks(whole / halves), busy=peers,
-                        streams=halves)
+                        streams=halves, pinned=whole)
         else:  # broadcast: the root stages and posts, the readers copy
             s = npieces(whole, HALF_BYTES)
             work = Work(rounds=2 * s - 1, copied=2 * whole, tasks=s * peers, engines=2 * s * engine_tasks(whole / s),

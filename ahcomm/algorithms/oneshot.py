@@ -70,21 +70,30 @@ class OneShot(Algorithm):
         the sliced 2 MiB broadcast and all_gather beat every other algorithm by 20-50%); the
         copies and reductions of a rank: all_reduce publishes m and reduces (n - 1) m;
         reduce_scatter publishes n m and reduces (n - 1) m; all_gather publishes m and copies
-        n m; broadcast 2 m. Every copy goes into or out of a slot (``Work.staged``: beyond the
-        cache half of it goes through memory, where direct's reads take every block from memory
-        again: np=4 all_gather of 8-64 MiB ran 1.2-1.6x faster through the slots)."""
+        n m (``Work.staged``: through a slot the cache keeps, half of each copy's traffic goes
+        through memory; np=4 all_gather of 8-64 MiB ran 1.2-1.8x faster than direct's reads).
+        broadcast: the root publishes slice k + 1 while the readers copy slice k, so a rank
+        copies m and one slice more (staged) and, where a core holds at most two ranks, each
+        further slice costs one ``STEP`` (np=4 on 2 cores: 8-64 MiB in 1.6-13.4 ms, the model
+        1.9-14.6); where more ranks share a core a slice waits for their time slices as above
+        (np=8 on 2 cores, 64 MiB: 44.8 ms against direct's 31.6-32.6). all_reduce and
+        reduce_scatter keep their copies plain: their picks against twoshot and star were
+        measured so."""
         n = topo.size
         m = float(published_bytes(call, n))
         s = npieces(m, topo.mailbox)
         op = call.op
         if op == "all_reduce":
-            work = Work(staged=m, reduced=(n - 1) * m)
+            work = Work(copied=m, reduced=(n - 1) * m)
         elif op == "reduce_scatter":
-            work = Work(staged=m, reduced=(n - 1) * m / n)
+            work = Work(copied=m, reduced=(n - 1) * m / n)
         elif op == "all_gather":
             work = Work(staged=m + whole)
         elif op == "broadcast":
-            work = Work(staged=2 * m)
+            work = Work(staged=m + m / s)
+            hop = model.hop(topo)
+            if hop <= 2:  # the root publishes slice k + 1 while the readers copy slice k
+                return s * STEP * model.link(topo).alpha * hop + work.seconds(model, topo)
         else:
             work = Work()
             s = 1

@@ -47,14 +47,14 @@ class TwoShot(Algorithm):
         np=4 on 2 cores, an 8 B call takes 229-246 us against oneshot's 139-160, the second
         step one plain step more); per rank the input copied into the slot (m), its share
         reduced out of every slot ((n - 1) m / n) and copied into the slot (m / n), the peers'
-        shares copied out (m - m / n): every copy into or out of a slot (``Work.staged``)."""
+        shares copied out (m - m / n)."""
         n, m = topo.size, whole
         if m > MAX_SLOTS * topo.mailbox:  # beyond the range measured: never the selector's pick
             return math.inf
         s = npieces(m, topo.mailbox)
         hop = model.hop(topo)
         steps = 2 * s * STEP + (s - 1) * (hop - 1.0)
-        work = Work(staged=2 * m, reduced=(n - 1) * m / n)
+        work = Work(copied=2 * m, reduced=(n - 1) * m / n)
         return steps * model.link(topo).alpha * hop + work.seconds(model, topo)
 
     async def orchestrate(self, ctx: Context) -> None:
