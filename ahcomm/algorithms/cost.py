@@ -269,7 +269,7 @@ class Work:
         link = model.link(topo)
         cpu = (self.tasks * model.task + self.engines * (model.engine if engines_on else 0.0) + self.link * link.beta
                + self.reduced * model.gamma + (self.copied + self.staged * model.staged) * model.copy
-               + (self.pinned * PIN if "sdma" in topo.link_kinds else 0.0))  # in one process a read is a memmove
+               + (self.pinned * PIN if self.pinned and "sdma" in topo.link_kinds else 0.0))  # in a process: memmove
         hop = model.hop(topo, self.busy)
         return ((self.rounds * hop + self.handoffs * (hop - 1.0)) * link.alpha
                 + cpu * model.slowdown(topo, self.busy, self.streams))
