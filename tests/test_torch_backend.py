@@ -142,7 +142,8 @@ def test_single_rank_group_in_process() -> None:
         assert work.wait() and fut.wait()[0] is t
         assert torch.equal(t, torch.arange(5, dtype=torch.float32))
         out = torch.zeros(5)
-        dist.all_gather_into_tensor(out, t)
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in torch 2.13
+        gather(out, t)
         assert torch.equal(out, t)
         dist.barrier()
     finally:
