@@ -5,7 +5,7 @@ busiest rank does on the critical path:
 
     (rounds * hop + handoffs * (hop - 1)) * alpha
         + (tasks * task + engines * engine + link_bytes * beta + reduced_bytes * gamma
-           + copied_bytes * copy) * slowdown
+           + (copied_bytes + staged_bytes * staged) * copy + pinned_bytes * PIN) * slowdown
 
 Of the slowest link kind the call crosses: ``alpha``, seconds per dependent one-way step (a
 notify that wakes a peer's event loop), and ``beta``, seconds per byte a rank sends or
@@ -17,7 +17,10 @@ mesh and star move data); ``task``, per link notify a rank posts (DataSignal, Ac
 sender's and the woken receiver's event-loop work; a pipelined transfer posts one DataSignal
 and one Ack per piece); ``engine``, per memory task big enough (``ENGINE_BYTES``) to go to a
 stream's copy engine (the hand-off to the thread and the wake-up when it is done; none
-where a host has as many ranks as cores or more, as its streams then copy inline).
+where a host has as many ranks as cores or more, as its streams then copy inline). A copy
+into or out of a mailbox slot, which stays in the cache, sends half its traffic through memory
+(``staged_bytes``, at ``STAGED`` of a copy); a single-copy read of another process's memory pays
+the kernel's page pinning on top of its copy (``pinned_bytes``, ``PIN`` seconds a byte).
 
 Oversubscription: with more working ranks on a host than it has cores (``CostModel.cores``,
 which rank 0 hands to every rank with the rest of the model), ranks wait for a core. With
@@ -32,7 +35,8 @@ to that many of them (``slowdown`` < 1).
 
 In cache: a call whose data fits half the host's last-level cache, where every rank has a
 core, is priced at the in-cache rates ``copy_hot`` and ``gamma_hot`` (``CostModel.hot``;
-``Algorithm.cost`` applies ``for_call``), which only a calibration provides.
+``Algorithm.cost`` applies ``for_call``), which only a calibration provides; a staged copy
+there costs no more than out of cache (``in_cache``).
 
 The numbers come from a calibration on the host (``ahcomm-bench calibrate``, cached in a JSON
 file) or, without one, from defaults fitted to sweeps on a 2-core x86 host. Rank 0's model
@@ -61,10 +65,10 @@ FOOTPRINT = 3  # bytes of data a rank touches per byte of its call (input, outpu
 # A copy between a user buffer and a mailbox slot (``Work.staged``), as a share of a copy from
 # memory to memory: the slot stays in the cache, so half of the copy's traffic goes through
 # memory. Measured on 2 ranks (results/2026-11-26-staged-copies.md): oneshot's all_gather of 16
-# and 32 MiB, less its slices' steps, copied at 0.52-0.60 of the default copy rate; two processes
-# at once copying 16 MiB through a 1 MiB slot, 0.6-0.7 of a plain copy each
-# (benchmarks/staged_probe.py, the in-cache side included). In cache (``in_cache``) a staged copy
-# costs a copy.
+# and 32 MiB, less its slices' steps, took 0.52-0.60 of the time the default model gives its
+# copies; two processes at once copying 16 MiB through a 1 MiB slot, 0.6-0.7 of a plain copy's
+# time each (benchmarks/staged_probe.py, the in-cache side included). In cache (``in_cache``) a
+# staged copy costs an in-cache copy, and never more than out of cache.
 STAGED = 0.5
 # Seconds per byte a single-copy read (process_vm_readv) costs on top of the copy: the kernel
 # pins every 4 KiB page of the peer's buffer. Measured (benchmarks/staged_probe.py, two processes
@@ -119,8 +123,9 @@ class CostModel:
         A rate in cache is never slower than from memory: a calibration whose in-cache pass was
         disturbed (one read 3.1 GB/s against 12.8 from memory, and the simulator then put a
         2 MiB all_gather at 2.8x its measured time) keeps the memory rate."""
-        return replace(self, copy=_faster(self.copy_hot, self.copy), gamma=_faster(self.gamma_hot, self.gamma),
-                       copy_shared=0.0, staged=1.0)
+        copy = _faster(self.copy_hot, self.copy)
+        return replace(self, copy=copy, gamma=_faster(self.gamma_hot, self.gamma), copy_shared=0.0,
+                       staged=min(1.0, self.staged * self.copy / copy))
 
     def for_call(self, ranks_here: int, whole: float) -> "CostModel":
         """The model that prices a call of ``whole`` bytes: ``in_cache`` where it is ``hot``."""
@@ -189,7 +194,7 @@ class CostModel:
         return {"version": MODEL_VERSION, "links": {k: asdict(v) for k, v in self.links.items()},
                 "gamma": self.gamma, "copy": self.copy, "task": self.task, "engine": self.engine, "cores": self.cores,
                 "copy_shared": self.copy_shared, "cache": self.cache, "copy_hot": self.copy_hot,
-                "gamma_hot": self.gamma_hot, "source": self.source}
+                "gamma_hot": self.gamma_hot, "staged": self.staged, "source": self.source}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "CostModel":
@@ -208,7 +213,7 @@ class CostModel:
                    cores=cores, source=str(data.get("source", "file")),
                    copy_shared=float(data.get("copy_shared", 0.0)),  # absent in older files: not measured
                    cache=int(data.get("cache", 0) or 0), copy_hot=float(data.get("copy_hot", 0.0)),
-                   gamma_hot=float(data.get("gamma_hot", 0.0)))
+                   gamma_hot=float(data.get("gamma_hot", 0.0)), staged=float(data.get("staged", STAGED)))
 
 
 def cache_path() -> Path:

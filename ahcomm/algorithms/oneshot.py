@@ -74,11 +74,11 @@ class OneShot(Algorithm):
         through memory; np=4 all_gather of 8-64 MiB ran 1.2-1.8x faster than direct's reads).
         broadcast: the root publishes slice k + 1 while the readers copy slice k, so a rank
         copies m and one slice more (staged) and, where a core holds at most two ranks, each
-        further slice costs one ``STEP`` (np=4 on 2 cores: 8-64 MiB in 1.6-13.4 ms, the model
-        1.9-14.6); where more ranks share a core a slice waits for their time slices as above
-        (np=8 on 2 cores, 64 MiB: 44.8 ms against direct's 31.6-32.6). all_reduce and
-        reduce_scatter keep their copies plain: their picks against twoshot and star were
-        measured so."""
+        slice costs one ``STEP`` of a link's alpha, times ``hop`` (np=4 on 2 cores: 8-64 MiB in
+        1.6-17 ms, the model 1.9-14.6); where more ranks share a core a slice waits for their
+        time slices as above (np=8 on 2 cores, 64 MiB: 44.8 ms against direct's 31.6-32.6).
+        all_reduce and reduce_scatter keep their copies plain: their picks against twoshot and
+        star were measured so."""
         n = topo.size
         m = float(published_bytes(call, n))
         s = npieces(m, topo.mailbox)
