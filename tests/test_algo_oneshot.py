@@ -179,10 +179,10 @@ async def test_selected_for_small_calls_on_one_host(monkeypatch: pytest.MonkeyPa
         for op in ("all_reduce", "broadcast", "all_gather"):
             assert comm.explain(op, 2, np.float32)[0] == "oneshot"
             assert comm.explain(op, 8192, np.float32)[0] == "oneshot"  # 32 KiB
-            # 64 MiB: a slice per slot (1 MiB); all_gather's and broadcast's copies through the slots
-            # send half their traffic through memory (cost.STAGED), all_reduce's reductions do not
+            # 64 MiB: a slice per slot (1 MiB); all_gather's copies through the slots send half
+            # their traffic through memory (cost.STAGED)
             big = comm.explain(op, 1 << 24, np.float32)[0]
-            assert big != "oneshot" if op == "all_reduce" else big == "oneshot"
+            assert big == "oneshot" if op == "all_gather" else big != "oneshot"
         assert comm.explain("reduce_scatter", 2, np.float32)[0] == "oneshot"
     finally:
         await asyncio.gather(*(c.close() for c in comms))

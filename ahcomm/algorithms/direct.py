@@ -157,12 +157,11 @@ class Direct(Algorithm):
         publishes), all_gather ``n m`` by each rank (its block into its own output and every
         peer's); every byte read out of a peer pays the kernel's page pinning (``Work.pinned``);
         copies of at least ``INLINE_BYTES`` are handed to threads (one engine hand-off), spread
-        over ``threads`` of them, smaller ones run inline on one."""
+        over ``threads`` of them."""
         busy = topo.size - 1 if call.op == "broadcast" else None
-        inline = whole < INLINE_BYTES
         return Work(rounds=2 * STEP, copied=whole, pinned=whole if call.op == "broadcast" else whole - block,
-                    engines=0 if inline else 1, busy=busy,
-                    streams=1 if inline else threads(call, topo, model.cores or 1, THREADS), threads=True)
+                    engines=1 if whole >= INLINE_BYTES else 0, busy=busy,
+                    streams=threads(call, topo, model.cores or 1, THREADS), threads=True)
 
     async def orchestrate(self, ctx: Context) -> None:
         if not ctx.topo.single_copy:

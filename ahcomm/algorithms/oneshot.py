@@ -72,13 +72,11 @@ class OneShot(Algorithm):
         reduce_scatter publishes n m and reduces (n - 1) m; all_gather publishes m and copies
         n m (``Work.staged``: through a slot the cache keeps, half of each copy's traffic goes
         through memory; np=4 all_gather of 8-64 MiB ran 1.2-1.8x faster than direct's reads).
-        broadcast: the root publishes slice k + 1 while the readers copy slice k, so a rank
-        copies m and one slice more (staged) and, where a core holds at most two ranks, each
-        slice costs one ``STEP`` of a link's alpha, times ``hop`` (np=4 on 2 cores: 8-64 MiB in
-        1.6-17 ms, the model 1.9-14.6); where more ranks share a core a slice waits for their
-        time slices as above (np=8 on 2 cores, 64 MiB: 44.8 ms against direct's 31.6-32.6).
-        all_reduce and reduce_scatter keep their copies plain: their picks against twoshot and
-        star were measured so."""
+        broadcast: 2 m, the root's publication and, out of place, its own copy (in place it
+        copies m, and forced in place it ran 1.2-2.6x faster than direct from 4 MiB; out of
+        place, the API's default, direct was 1.2-1.5x faster at np=4 from 16 MiB, and a call does
+        not say which it is). all_reduce and reduce_scatter keep their copies plain: their picks
+        against twoshot and star were measured so."""
         n = topo.size
         m = float(published_bytes(call, n))
         s = npieces(m, topo.mailbox)
@@ -90,10 +88,7 @@ class OneShot(Algorithm):
         elif op == "all_gather":
             work = Work(staged=m + whole)
         elif op == "broadcast":
-            work = Work(staged=m + m / s)
-            hop = model.hop(topo)
-            if hop <= 2:  # the root publishes slice k + 1 while the readers copy slice k
-                return s * STEP * model.link(topo).alpha * hop + work.seconds(model, topo)
+            work = Work(copied=2 * m)
         else:
             work = Work()
             s = 1
