@@ -223,8 +223,10 @@ async def sweep(comm: Any, args: argparse.Namespace, algorithm: str | None) -> l
         known = comm.explain(args.op, case.block, dtype, root=args.root)
         if algorithm is not None and algorithm not in known[1]:  # e.g. eager above one message: not this size
             if comm.rank == 0:
+                from .algorithms import REGISTRY
+                runs_op = args.op in getattr(REGISTRY.algorithms.get(algorithm), "ops", ())
                 print(f" {case.size:>12} {'':>12} {'':>8} {'':>6} {'':>5} {'-':>11} {'-':>8} {'-':>8} {'-':>7}  "
-                      f"{algorithm} cannot run this size", flush=True)
+                      f"{algorithm} cannot run this {'size' if runs_op else args.op}", flush=True)
             continue
         picked = algorithm or known[0]
         wrong = await case.check() if args.check else 0

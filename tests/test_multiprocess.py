@@ -122,6 +122,16 @@ def test_example_runs() -> None:
     assert proc.stdout.count("all_reduce sum=10 (expected 10)") == 4
 
 
+def test_bench_cli_names_an_op_the_algorithm_does_not_run() -> None:
+    """A forced algorithm that cannot run the op at all says so, not "cannot run this size"
+    (twoshot runs all_reduce only); one that cannot run a size says the size."""
+    argv = [sys.executable, "-m", "ahcomm.bench", "-n", "2", "all_gather", "-b", "1K", "-e", "1K",
+            "-w", "1", "-i", "1", "--algorithm", "twoshot"]
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "twoshot cannot run this all_gather" in proc.stdout, proc.stdout
+
+
 def test_bench_cli_small_sweep(tmp_path: Path) -> None:
     out = tmp_path / "bench.json"
     argv = [sys.executable, "-m", "ahcomm.bench", "-n", "2", "all_reduce", "-b", "8", "-e", "256K", "-f", "64",
