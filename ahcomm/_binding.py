@@ -16,6 +16,7 @@ windows of 20-100 calls), unbound runs fell into stretches of 1.2-3.5 ms a call 
 moved ranks so that a rank's yield no longer handed its core to the peer it waited for) around
 a steady 0.8 ms; bound runs mostly held 0.8-0.9 ms (results/2026-11-26-binding.md).
 """
+
 from __future__ import annotations
 
 import os

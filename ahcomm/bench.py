@@ -218,15 +218,16 @@ async def sweep(comm: Any, args: argparse.Namespace, algorithm: str | None) -> l
               f"{','.join(sorted({link['kind'] for link in comm.stats()['links'].values()})) or 'none'}")
         print(f"#{'size':>12} {'count':>12} {'type':>8} {'redop':>6} {'root':>5} "
               f"{'time(us)':>11} {'algbw':>8} {'busbw':>8} {'#wrong':>7}  algorithm", flush=True)
+    # what a forced algorithm that is not a candidate cannot run: the op itself, or only this size
+    # (eager above one message)
+    cannot = args.op if algorithm is not None and args.op not in _ops_of(algorithm) else "size"
     for nbytes in sizes(args.minbytes, args.maxbytes, args.stepfactor):
         case = Case(comm, args.op, nbytes, dtype, args.redop, args.root, algorithm, args.inplace)
         known = comm.explain(args.op, case.block, dtype, root=args.root)
-        if algorithm is not None and algorithm not in known[1]:  # e.g. eager above one message: not this size
+        if algorithm is not None and algorithm not in known[1]:
             if comm.rank == 0:
-                from .algorithms import REGISTRY
-                runs_op = args.op in getattr(REGISTRY.algorithms.get(algorithm), "ops", ())
                 print(f" {case.size:>12} {'':>12} {'':>8} {'':>6} {'':>5} {'-':>11} {'-':>8} {'-':>8} {'-':>7}  "
-                      f"{algorithm} cannot run this {'size' if runs_op else args.op}", flush=True)
+                      f"{algorithm} cannot run this {cannot}", flush=True)
             continue
         picked = algorithm or known[0]
         wrong = await case.check() if args.check else 0
@@ -249,6 +250,14 @@ async def sweep(comm: Any, args: argparse.Namespace, algorithm: str | None) -> l
     if comm.rank == 0 and rows:
         print(f"# Avg bus bandwidth    : {sum(r['busbw'] for r in rows) / len(rows):.4f}", flush=True)
     return rows
+
+
+def _ops_of(algorithm: str) -> frozenset[str]:
+    """The collectives ``algorithm`` implements (none for a name the registry lacks)."""
+    from .algorithms import REGISTRY
+
+    known = REGISTRY.algorithms.get(algorithm)
+    return known.ops if known is not None else frozenset()
 
 
 def runnable(comm: Any, op: str, dtype: np.dtype) -> list[str]:

@@ -74,9 +74,9 @@ class OneShot(Algorithm):
         through memory; np=4 all_gather of 8-64 MiB ran 1.2-1.8x faster than direct's reads).
         broadcast: 2 m, the root's publication and, out of place, its own copy (in place it
         copies m, and forced in place it ran 1.2-2.6x faster than direct from 4 MiB; out of
-        place, the API's default, direct was 1.2-1.5x faster at np=4 from 16 MiB, and a call does
-        not say which it is). all_reduce and reduce_scatter keep their copies plain: their picks
-        against twoshot and star were measured so."""
+        place, the API's default, direct was 1.2-1.5x faster at np=4 at 32-64 MiB, 16 MiB
+        mixed, and a call does not say which it is). all_reduce and reduce_scatter keep their
+        copies plain: their picks against twoshot and star were measured so."""
         n = topo.size
         m = float(published_bytes(call, n))
         s = npieces(m, topo.mailbox)
