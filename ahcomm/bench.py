@@ -253,11 +253,10 @@ async def sweep(comm: Any, args: argparse.Namespace, algorithm: str | None) -> l
 
 
 def _ops_of(algorithm: str) -> frozenset[str]:
-    """The collectives ``algorithm`` implements (none for a name the registry lacks)."""
+    """The collectives ``algorithm`` (a registered name: ``main`` checks) implements."""
     from .algorithms import REGISTRY
 
-    known = REGISTRY.algorithms.get(algorithm)
-    return known.ops if known is not None else frozenset()
+    return REGISTRY.algorithms[algorithm].ops
 
 
 def runnable(comm: Any, op: str, dtype: np.dtype) -> list[str]:
@@ -610,6 +609,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.op == "calibrate":
         calibrate()
         return
+    if args.algorithm not in (None, "all"):
+        from .algorithms import REGISTRY
+
+        if args.algorithm not in REGISTRY.algorithms:  # a typo: before any rank starts
+            p.error(f"--algorithm {args.algorithm!r} is not an algorithm; one of: all, "
+                    f"{', '.join(sorted(REGISTRY.algorithms))}")
     if args.op in REDUCING:
         from ._dtypes import ReduceOp, check_reduce
         from ._errors import InvalidDtype

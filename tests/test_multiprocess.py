@@ -130,6 +130,9 @@ def test_bench_cli_names_an_op_the_algorithm_does_not_run() -> None:
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "twoshot cannot run this all_gather" in proc.stdout, proc.stdout
+    typo = subprocess.run([*argv[:-1], "ringg"], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert typo.returncode == 2 and "--algorithm 'ringg' is not an algorithm; one of: all," in typo.stderr, typo
+    assert "Traceback" not in typo.stderr and "ring" in typo.stderr
 
 
 def test_bench_cli_small_sweep(tmp_path: Path) -> None:
