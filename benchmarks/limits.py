@@ -11,6 +11,7 @@ Usage: PYTHONPATH=$PWD python benchmarks/limits.py
 
 from __future__ import annotations
 
+import argparse
 import subprocess
 import sys
 import threading
@@ -37,6 +38,7 @@ def best(fn: Callable[[], None], k: int = 5) -> float:
 
 
 def main() -> None:
+    argparse.ArgumentParser(description=__doc__.split("\n")[0]).parse_args()  # --help, and no stray arguments
     src, dst = np.ones(N, np.uint8), np.zeros(N, np.uint8)
     print(f"memcpy 1 thread: {best(lambda: np.copyto(dst, src)):.2f} GB/s")
     child = subprocess.Popen([sys.executable, "-c", PEER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)

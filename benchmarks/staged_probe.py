@@ -6,14 +6,18 @@ of 8, three rounds, both processes starting each try together): a single-copy re
 source plus a local copy (direct's all_gather), the read alone, the local copy alone, two plain
 copies, and a copy through a 1 MiB slot (in, then out: oneshot's path).
 Usage: PYTHONPATH=$PWD python benchmarks/staged_probe.py [MiB]
+
+Non-temporal stores (glibc's ``memmove`` switches to them from a size set at process start): run
+it with ``GLIBC_TUNABLES=glibc.cpu.x86_non_temporal_threshold=0x100040`` to see the copies
+above 1 MiB made so (results/2026-11-26-nt-stores.md).
 """
 
 from __future__ import annotations
 
+import argparse
 import multiprocessing as mp
 import os
 import statistics
-import sys
 import time
 from typing import Any
 
@@ -64,7 +68,9 @@ def worker(rank: int, addrs: Any, pids: Any, bar: Any, q: Any, mib: int) -> None
 
 
 def main() -> None:
-    mib = int(sys.argv[1]) if len(sys.argv) > 1 else 16
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("mib", nargs="?", type=int, default=16, help="MiB each process copies (default 16)")
+    mib = p.parse_args().mib
     addrs, pids, bar, q = mp.Array("q", 2), mp.Array("q", 2), mp.Barrier(2), mp.Queue()
     procs = [mp.Process(target=worker, args=(r, addrs, pids, bar, q, mib)) for r in range(2)]
     for p in procs:

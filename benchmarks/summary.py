@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+import argparse
 import json
-import sys
 from pathlib import Path
 
 SIZES = {512 << 10: "512 KiB", 2 << 20: "2 MiB", 8 << 20: "8 MiB", 32 << 20: "32 MiB", 64 << 20: "64 MiB"}
@@ -45,4 +45,7 @@ def main(path: str) -> None:
         print(f"| {n} | " + " | ".join(f"{row['time_us']:.1f}" if row else "-" for row in rows) + " |")
 
 if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else str(Path(__file__).parent / "results" / "latest.json"))
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("json", nargs="?", default=str(Path(__file__).parent / "results" / "latest.json"),
+                   help="compare.py's JSON (default results/latest.json)")
+    main(p.parse_args().json)
