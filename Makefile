@@ -20,13 +20,13 @@ $(BIN)/python:
 	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 11) and f"ahcomm needs Python 3.11 or newer; $(PYTHON) is {sys.version.split()[0]}: make PYTHON=python3.11 ...")'
 	$(PYTHON) -m venv $(VENV)
 
-$(STAMP): pyproject.toml $(BIN)/python
+$(STAMP): pyproject.toml setup.py ahcomm/_ntcopy.c $(BIN)/python
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -e '.[test]'
 	touch $(STAMP)
 
 # the demo needs ahcomm and its four runtime dependencies only
-$(DEMO_STAMP): pyproject.toml $(BIN)/python
+$(DEMO_STAMP): pyproject.toml setup.py ahcomm/_ntcopy.c $(BIN)/python
 	$(BIN)/python -m pip install -q -e .
 	touch $(DEMO_STAMP)
 

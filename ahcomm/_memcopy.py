@@ -16,21 +16,61 @@ or sliced at an odd element fall anywhere. ``copy`` takes the vector loop for su
 alignment (the kernel's copy fast) and then the vector loop (process_vm_readv 8 bytes apart:
 3.1 GB/s directly, 6.4 bounced; 16: 5.9 against 6.6). Elsewhere a bounce costs more than it
 saves (72-4048 bytes apart: 10.2-12.2 directly, 6.7-8.1 bounced), so only the slow case takes it.
+
+A collective's large output that nobody reads soon is written with non-temporal stores
+(``copy(..., stream=True)``, ``streams``): glibc's ``memmove`` takes them only from a size fixed
+at process start (181 MiB on an Intel VM), and below it reads every cold destination line into
+the cache before writing it. There, 32 MiB cold to cold: 11.8 GB/s against ``np.copyto``'s 7.0;
+oneshot's all_gather of 32-64 MiB 1.3x faster at np=2 and np=4, direct's 1.2x at np=2
+(results/2026-11-26-nt-stores.md). The stores come from an optional C extension
+(``ahcomm/_ntcopy.c``); without it, or with ``AHCOMM_NT_STORES=0``, such copies are plain.
 """
 
 from __future__ import annotations
 
 import ctypes
+import functools
+import importlib
+import os
 import threading
 from collections.abc import Callable
+from types import ModuleType
 
 import numpy as np
+
+from ._errors import ConfigError
+
+_ntcopy: ModuleType | None
+try:  # the optional C extension (by name: a static ``from . import`` would tie this leaf to the package)
+    _ntcopy = importlib.import_module(f"{__package__}._ntcopy")
+except ImportError:  # not built (no C compiler at install): plain copies
+    _ntcopy = None
 
 PAGE = 4096  # rep movsb is slow where 0 < (dst - src) % PAGE < NEAR
 NEAR = 32
 LINE = 64  # the bounce buffer's placement: the source's offset in a cache line
 MIN_BYTES = 2112  # below this glibc copies with vector moves anyway (x86_rep_movsb_threshold 0x840)
 BOUNCE_BYTES = 1 << 20  # a bounced read's piece: stays in a core's 1 MiB L2 between its two copies
+# A call's output from which copies into it bypass the cache (``streams``). Measured on the Intel VM
+# (results/2026-11-26-nt-stores.md): oneshot's all_gather of 16 MiB (np=4) 4679 against 5642 us,
+# 2-8 MiB level; a smaller output may still be in the cache when its owner reads it.
+STREAM_BYTES = 16 << 20
+STREAM_PIECE = 64 << 10  # a piece below this is copied plainly (the stores' fence, the call's cost)
+
+
+@functools.cache
+def non_temporal() -> bool:
+    """Whether this process writes large outputs with non-temporal stores: the extension is built
+    with them (x86-64) and ``AHCOMM_NT_STORES`` does not turn them off (read once)."""
+    value = os.environ.get("AHCOMM_NT_STORES", "").strip().lower()
+    if value not in ("", "1", "true", "yes", "on", "0", "false", "no", "off"):
+        raise ConfigError(f"AHCOMM_NT_STORES={value!r}: expected 1 or 0")
+    return _ntcopy is not None and bool(_ntcopy.NON_TEMPORAL) and value not in ("0", "false", "no", "off")
+
+
+def streams(nbytes: int | float) -> bool:
+    """Whether copies into a call's output of ``nbytes`` should bypass the cache (``copy``'s ``stream``)."""
+    return nbytes >= STREAM_BYTES and non_temporal()
 
 
 def misaligned(dst_addr: int, src_addr: int, nbytes: int) -> bool:
@@ -53,13 +93,21 @@ def _flat(array: np.ndarray) -> np.ndarray:
     return array.reshape(-1).view(np.uint8)
 
 
-def copy(dst: np.ndarray, src: np.ndarray) -> None:
+def copy(dst: np.ndarray, src: np.ndarray, stream: bool = False) -> None:
     """``np.copyto(dst, src)``; a large contiguous copy of the same dtype whose addresses are
     misaligned (``misaligned``) and that do not overlap runs numpy's vector loop instead.
+    ``stream`` (a large output nobody reads soon: ``streams``): such a copy of at least
+    ``STREAM_PIECE`` bypasses the cache, at any alignment, where ``non_temporal()``.
 
     The cheap tests come first: an address costs 0.4-1 us (``_address``), more than a small
     ``np.copyto``. Arrays of references (object dtype, or fields of it) are never
     copied as bytes (no uint8 view of them exists, and their references must be counted)."""
+    if (stream and dst.nbytes >= STREAM_PIECE and _ntcopy is not None and non_temporal()
+            and isinstance(src, np.ndarray) and dst.dtype == src.dtype and not dst.dtype.hasobject
+            and dst.shape == src.shape and dst.flags.c_contiguous and src.flags.c_contiguous
+            and not np.may_share_memory(dst, src)):
+        _ntcopy.copy(_address(dst), _address(src), dst.nbytes)
+        return
     if (dst.nbytes >= MIN_BYTES and isinstance(src, np.ndarray) and dst.dtype == src.dtype
             and not dst.dtype.hasobject and dst.shape == src.shape
             and dst.flags.c_contiguous and src.flags.c_contiguous

@@ -30,6 +30,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from .._memcopy import streams
 from .._notify import Notify
 from .._stream import Stream, TaskFn
 from ..transports.base import DataLink, Mailboxes, Signal
@@ -85,6 +86,16 @@ class Context:
         self._error: BaseException | None = None
         for stream in (main, *self.subs):
             stream.on_error = self.fail  # a stream that fails must not leave the others waiting
+    def stream_output(self) -> bool:
+        """Whether this run's copies into the call's output should bypass the cache
+        (``_memcopy.streams``: the whole output is large), counted in ``comm.stats()["paths"]``
+        as ``copy.non_temporal``. For ``copy(..., stream=...)``."""
+        call = self.call
+        if not streams(call.count * call.itemsize * (self.size if call.op == "all_gather" else 1)):
+            return False
+        self.tally("copy.non_temporal")
+        return True
+
     def tally(self, path: str) -> None:
         """Count one run of ``path`` (e.g. ``"direct.single_copy"``) in ``comm.stats()["paths"]``."""
         if self._paths is not None:

@@ -183,7 +183,7 @@ class Direct(Algorithm):
         moves: list[Move] = []
         local = (dst[r], src) if call.op == "all_gather" else (dst, src) if r == root else None
         if local is not None and not np.shares_memory(*local):
-            moves.append(_copying(*local))
+            moves.append(_copying(local[0], local[1], ctx.stream_output()))
         if call.op == "broadcast":
             if r != root:
                 moves.append(_reading(ctx.links[root], dst, int(box.payload(root, tick).view(np.int64)[0])))
@@ -210,9 +210,9 @@ class _Later:
 Move = tuple[int, Callable[[int, int, _Later], None]]  # (bytes, queue the copy of bytes [lo, hi) on a _Later)
 
 
-def _copying(dst: np.ndarray, src: np.ndarray) -> Move:
+def _copying(dst: np.ndarray, src: np.ndarray, stream: bool = False) -> Move:
     to, of = (a.reshape(-1).view(np.uint8) for a in (dst, src))
-    return to.nbytes, lambda lo, hi, later: later(copy, to[lo:hi], of[lo:hi])
+    return to.nbytes, lambda lo, hi, later: later(copy, to[lo:hi], of[lo:hi], stream)
 
 
 def _reading(link: DataLink, dst: np.ndarray, addr: int) -> Move:

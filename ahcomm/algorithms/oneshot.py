@@ -107,7 +107,8 @@ class OneShot(Algorithm):
         if op == "broadcast" and r != call.root:  # the root's publication is all it reads
             await arrivals(ctx, tick, (call.root,))
             box.loose = (tick, seq, ctx.fingerprint)
-            copy(dst, box.payload(call.root, tick).view(call.dtype).reshape(dst.shape))
+            stream = ctx.stream_output()
+            copy(dst, box.payload(call.root, tick).view(call.dtype).reshape(dst.shape), stream)
             return
         await arrivals(ctx, tick)
         if op == "barrier":
@@ -115,11 +116,12 @@ class OneShot(Algorithm):
         dtype = call.dtype
         if op == "broadcast":
             if dst is not src:
-                copy(dst, src)
+                copy(dst, src, ctx.stream_output())
             return
         if op == "all_gather":  # dst: (n, slice)
+            stream = ctx.stream_output()
             for p in range(n):
-                copy(dst[p], (mine if p == r else box.payload(p, tick)).view(dtype))
+                copy(dst[p], (mine if p == r else box.payload(p, tick)).view(dtype), stream)
             return
         assert ctx.ufunc is not None
         ufunc = ctx.ufunc
@@ -128,3 +130,4 @@ class OneShot(Algorithm):
             k = src.shape[1]
             parts = [part[r * k:(r + 1) * k] for part in parts]
         fold(ufunc, parts, dst.reshape(-1))
+

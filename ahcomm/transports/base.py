@@ -205,7 +205,7 @@ class Link(ABC):
         self._on_progress = on_progress
         self._error: BaseException | None = None
         self.events: LinkEvents | None = None  # the communicator's (``attach``)
-        self.bytes_sent = 0
+        self.bytes_sent: int = 0
         self.bytes_received = 0
         self.signals_sent = 0
         self._mail: dict[MessageKey, asyncio.Future[Message]] = {}
