@@ -67,4 +67,4 @@ selection: $(STAMP)
 	cd benchmarks && ../$(BIN)/python selection_sweep.py
 
 clean:
-	rm -rf $(VENV) $(BENCH_VENV) .pytest_cache .mypy_cache .hypothesis
+	rm -rf $(VENV) $(BENCH_VENV) .pytest_cache .mypy_cache .hypothesis build ahcomm/_ntcopy*.so

@@ -21,7 +21,7 @@ A collective's large output that nobody reads soon is written with non-temporal 
 (``copy(..., stream=True)``, ``streams``): glibc's ``memmove`` takes them only from a size fixed
 at process start (181 MiB on an Intel VM), and below it reads every cold destination line into
 the cache before writing it. There, 32 MiB cold to cold: 11.8 GB/s against ``np.copyto``'s 7.0;
-oneshot's all_gather of 32-64 MiB 1.3x faster at np=2 and np=4, direct's 1.2x at np=2
+oneshot's all_gather of 32-64 MiB 1.3-1.4x faster at np=2 and np=4, direct's 1.1-1.2x at np=2
 (results/2026-11-26-nt-stores.md). The stores come from an optional C extension
 (``ahcomm/_ntcopy.c``); without it, or with ``AHCOMM_NT_STORES=0``, such copies are plain.
 """
@@ -52,8 +52,9 @@ LINE = 64  # the bounce buffer's placement: the source's offset in a cache line
 MIN_BYTES = 2112  # below this glibc copies with vector moves anyway (x86_rep_movsb_threshold 0x840)
 BOUNCE_BYTES = 1 << 20  # a bounced read's piece: stays in a core's 1 MiB L2 between its two copies
 # A call's output from which copies into it bypass the cache (``streams``). Measured on the Intel VM
-# (results/2026-11-26-nt-stores.md): oneshot's all_gather of 16 MiB (np=4) 4679 against 5642 us,
-# 2-8 MiB level; a smaller output may still be in the cache when its owner reads it.
+# (results/2026-11-26-nt-stores.md, us, plain / streamed): all_gather of 16 MiB, oneshot np=2 2692 /
+# 2450, np=4 5680 / 4996, direct np=4 5897 / 5301, but direct np=2 1871 / 2087; from 32 MiB every
+# case faster. A smaller output may still be in the cache when its owner reads it.
 STREAM_BYTES = 16 << 20
 STREAM_PIECE = 64 << 10  # a piece below this is copied plainly (the stores' fence, the call's cost)
 
@@ -102,7 +103,7 @@ def copy(dst: np.ndarray, src: np.ndarray, stream: bool = False) -> None:
     The cheap tests come first: an address costs 0.4-1 us (``_address``), more than a small
     ``np.copyto``. Arrays of references (object dtype, or fields of it) are never
     copied as bytes (no uint8 view of them exists, and their references must be counted)."""
-    if (stream and dst.nbytes >= STREAM_PIECE and _ntcopy is not None and non_temporal()
+    if (stream and dst.nbytes >= STREAM_PIECE and _ntcopy is not None and non_temporal() and dst.flags.writeable
             and isinstance(src, np.ndarray) and dst.dtype == src.dtype and not dst.dtype.hasobject
             and dst.shape == src.shape and dst.flags.c_contiguous and src.flags.c_contiguous
             and not np.may_share_memory(dst, src)):

@@ -19,7 +19,7 @@
 
 static void nt_copy(char *d, const char *s, size_t n)
 {
-    size_t head = (16 - ((uintptr_t)d & 15)) & 15; /* the stores need 16-byte aligned addresses */
+    size_t head = (64 - ((uintptr_t)d & 63)) & 63; /* whole cache lines (the stores need 16 bytes) */
     if (head > n)
         head = n;
     memcpy(d, s, head);
@@ -65,7 +65,9 @@ static PyObject *copy(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     size_t n = PyLong_AsSize_t(args[2]);
     if (n == (size_t)-1 && PyErr_Occurred())
         return NULL;
-    if (n && (dst == NULL || src == NULL)) {
+    if (n == 0)
+        Py_RETURN_NONE;
+    if (dst == NULL || src == NULL) {
         PyErr_SetString(PyExc_ValueError, "copy: a null address");
         return NULL;
     }
@@ -81,7 +83,12 @@ static PyMethodDef methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
-static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_ntcopy", NULL, -1, methods};
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT,
+    .m_name = "ahcomm._ntcopy",
+    .m_size = -1,
+    .m_methods = methods,
+};
 
 PyMODINIT_FUNC PyInit__ntcopy(void)
 {

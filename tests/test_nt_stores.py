@@ -63,6 +63,11 @@ def test_only_an_asked_large_separate_contiguous_copy_streams(recorder: Recorder
     copy(objects, np.full(STREAM_PIECE, "x", object), stream=True)  # references are counted, not copied as bytes
     assert recorder.calls == [src.nbytes, (buf.size - 8) * 4]
     np.testing.assert_array_equal(strided[::2], src)
+    frozen = np.zeros_like(src)
+    frozen.flags.writeable = False
+    with pytest.raises(ValueError, match="read-only"):  # as np.copyto: never a write through a frozen array
+        copy(frozen, src, stream=True)
+    assert recorder.calls == [src.nbytes, (buf.size - 8) * 4] and not frozen.any()
 
 
 def test_streams_from_stream_bytes_unless_turned_off(recorder: Recorder, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -140,3 +145,11 @@ async def test_large_outputs_stream_and_small_ones_do_not(recorder: Recorder, al
         copies = algorithm == "oneshot" or op == "all_gather" or rank == 0  # who copies into its output
         assert ("copy.non_temporal" in paths) == copies, paths
     assert recorder.calls and all(n >= STREAM_PIECE for n in recorder.calls)
+
+
+def test_a_bad_switch_fails_init_not_a_large_call_later() -> None:
+    from ahcomm._config import Config
+
+    with pytest.raises(ahcomm.ConfigError, match="AHCOMM_NT_STORES"):
+        Config.from_env({"AHCOMM_NT_STORES": "maybe"})
+    Config.from_env({"AHCOMM_NT_STORES": "off"})

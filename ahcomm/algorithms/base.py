@@ -86,6 +86,7 @@ class Context:
         self._error: BaseException | None = None
         for stream in (main, *self.subs):
             stream.on_error = self.fail  # a stream that fails must not leave the others waiting
+
     def stream_output(self) -> bool:
         """Whether this run's copies into the call's output should bypass the cache
         (``_memcopy.streams``: the whole output is large), counted in ``comm.stats()["paths"]``

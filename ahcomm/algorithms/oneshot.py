@@ -130,4 +130,3 @@ class OneShot(Algorithm):
             k = src.shape[1]
             parts = [part[r * k:(r + 1) * k] for part in parts]
         fold(ufunc, parts, dst.reshape(-1))
-
