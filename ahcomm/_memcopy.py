@@ -38,7 +38,7 @@ from types import ModuleType
 
 import numpy as np
 
-from ._errors import ConfigError
+from ._config import _flag
 
 _ntcopy: ModuleType | None
 try:  # the optional C extension (by name: a static ``from . import`` would tie this leaf to the package)
@@ -63,10 +63,8 @@ STREAM_PIECE = 64 << 10  # a piece below this is copied plainly (the stores' fen
 def non_temporal() -> bool:
     """Whether this process writes large outputs with non-temporal stores: the extension is built
     with them (x86-64) and ``AHCOMM_NT_STORES`` does not turn them off (read once)."""
-    value = os.environ.get("AHCOMM_NT_STORES", "").strip().lower()
-    if value not in ("", "1", "true", "yes", "on", "0", "false", "no", "off"):
-        raise ConfigError(f"AHCOMM_NT_STORES={value!r}: expected 1 or 0")
-    return _ntcopy is not None and bool(_ntcopy.NON_TEMPORAL) and value not in ("0", "false", "no", "off")
+    on = _flag(os.environ, "AHCOMM_NT_STORES", True)  # a bad value raises (``Config.from_env`` names it at init)
+    return on and _ntcopy is not None and bool(_ntcopy.NON_TEMPORAL)
 
 
 def streams(nbytes: int | float) -> bool:
@@ -104,19 +102,21 @@ def copy(dst: np.ndarray, src: np.ndarray, stream: bool = False) -> None:
     ``np.copyto``. Arrays of references (object dtype, or fields of it) are never
     copied as bytes (no uint8 view of them exists, and their references must be counted)."""
     if (stream and dst.nbytes >= STREAM_PIECE and _ntcopy is not None and non_temporal() and dst.flags.writeable
-            and isinstance(src, np.ndarray) and dst.dtype == src.dtype and not dst.dtype.hasobject
-            and dst.shape == src.shape and dst.flags.c_contiguous and src.flags.c_contiguous
-            and not np.may_share_memory(dst, src)):
+            and _as_bytes(dst, src) and not np.may_share_memory(dst, src)):
         _ntcopy.copy(_address(dst), _address(src), dst.nbytes)
         return
-    if (dst.nbytes >= MIN_BYTES and isinstance(src, np.ndarray) and dst.dtype == src.dtype
-            and not dst.dtype.hasobject and dst.shape == src.shape
-            and dst.flags.c_contiguous and src.flags.c_contiguous
-            and misaligned(_address(dst), _address(src), dst.nbytes)
+    if (dst.nbytes >= MIN_BYTES and _as_bytes(dst, src) and misaligned(_address(dst), _address(src), dst.nbytes)
             and not np.may_share_memory(dst, src)):
         np.positive(_flat(src), out=_flat(dst))
         return
     np.copyto(dst, src)
+
+
+def _as_bytes(dst: np.ndarray, src: object) -> bool:
+    """Whether ``copy`` may move ``src`` into ``dst`` as plain bytes: one contiguous run each, of
+    the same dtype and shape, holding no references."""
+    return (isinstance(src, np.ndarray) and dst.dtype == src.dtype and not dst.dtype.hasobject
+            and dst.shape == src.shape and dst.flags.c_contiguous and src.flags.c_contiguous)
 
 
 class _Bounce(threading.local):

@@ -91,8 +91,7 @@ class Context:
         """Whether this run's copies into the call's output should bypass the cache
         (``_memcopy.streams``: the whole output is large), counted in ``comm.stats()["paths"]``
         as ``copy.non_temporal``. For ``copy(..., stream=...)``."""
-        call = self.call
-        if not streams(call.count * call.itemsize * (self.size if call.op == "all_gather" else 1)):
+        if not streams(call_bytes(self.call, self.size)[0]):  # all_gather: every block; broadcast: the vector
             return False
         self.tally("copy.non_temporal")
         return True

@@ -107,8 +107,7 @@ class OneShot(Algorithm):
         if op == "broadcast" and r != call.root:  # the root's publication is all it reads
             await arrivals(ctx, tick, (call.root,))
             box.loose = (tick, seq, ctx.fingerprint)
-            stream = ctx.stream_output()
-            copy(dst, box.payload(call.root, tick).view(call.dtype).reshape(dst.shape), stream)
+            copy(dst, box.payload(call.root, tick).view(call.dtype).reshape(dst.shape), ctx.stream_output())
             return
         await arrivals(ctx, tick)
         if op == "barrier":
