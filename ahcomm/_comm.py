@@ -496,12 +496,14 @@ class Comm(ThreadsafeCalls, BlockedCollectives, ObjectCollectives, PointToPoint)
                 root: int = 0) -> Explanation:
         """(the algorithm this communicator would run, {every candidate: estimated seconds})
         for ``op`` on ``count`` elements (per rank block for the blocked ops) of ``dtype``;
-        ``.copies`` says how many copies per received byte it makes (``algorithms.copies``)."""
+        ``.copies`` says how many copies per received byte it makes (``algorithms.copies``), ``.basis``
+        what chose it (AHCOMM_ALGO, a pick measured by ``ahcomm-bench tune``, or the cost model)."""
         counts = (count,) * self.size if op in WHOLE and op != "reduce" else None
         call = Call(op=op, seq=self._seq, dtype=np.dtype(dtype), count=count, root=root, counts=counts,
                     recv_counts=counts if op.startswith("all_to_all") else None)
         name = self._selector.choose(call, self.topology).name
-        return Explanation(name, self._selector.costs(call, self.topology), copies(name, call, self.topology))
+        return Explanation(name, self._selector.costs(call, self.topology), copies(name, call, self.topology),
+                           self._selector.basis(call, self.topology))
 
     # -- lifecycle --------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:

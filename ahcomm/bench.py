@@ -5,6 +5,7 @@
     ahcomm-bench -n 4 all_gather --algorithm all     (every algorithm, and the selector's pick)
     ahcomm-bench -n 4 all_reduce --algorithm all --plot busbw.png   (busbw vs size per algorithm)
     ahcomm-bench calibrate                           (measure the cost model's numbers)
+    ahcomm-bench tune --ranks 2,4 -b 64K -e 64M -f 2 (measure the fastest algorithm per op, ranks, size)
 
 Columns: size, count, type, redop, root, time (us), algbw, busbw (GB/s), #wrong. ``size``
 follows nccl-tests: the buffer for all_reduce/broadcast/reduce, the whole output of
@@ -25,187 +26,19 @@ import os
 import statistics
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from . import _tune
+from ._bench_case import BLOCKED, OPS, REDOPS, REDUCING, ROOTED, Case, bus_factor, dtype_arg, measure, parse_size, sizes
 from ._config import last_level_cache, usable_cores
 
 if TYPE_CHECKING:
     from .algorithms.cost import CostModel, LinkCost
 
-OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "gather", "scatter", "all_to_all")
-BLOCKED = ("all_gather", "reduce_scatter", "gather", "scatter", "all_to_all")  # size counts n blocks
-REDUCING = ("all_reduce", "reduce_scatter", "reduce")
-ROOTED = ("broadcast", "reduce", "gather", "scatter")
-REDOPS = ("sum", "prod", "max", "min", "avg", "band", "bor", "bxor")  # every ReduceOp
-BITWISE = {"band": np.bitwise_and, "bor": np.bitwise_or, "bxor": np.bitwise_xor}
 PRIVATE = "_calibrate"  # what `calibrate` starts on each of its ranks; not in --help
-
-
-def dtype_arg(text: str) -> np.dtype:
-    """``-d``: a dtype ahcomm moves (argparse says which ones otherwise, before any rank starts)."""
-    from ._dtypes import SUPPORTED_DTYPES
-
-    by_name = {str(d): d for d in SUPPORTED_DTYPES}
-    found = by_name.get(text.strip().lower())
-    if found is None:
-        raise argparse.ArgumentTypeError(f"unsupported dtype {text!r}; choose from {', '.join(by_name)}")
-    return found
-
-
-def parse_size(text: str) -> int:
-    """'8', '64K', '4M', '1G' (binary multiples)."""
-    text = text.strip().upper().rstrip("B")
-    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-    try:
-        return int(float(text[:-1]) * mult[text[-1]]) if text and text[-1] in mult else int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"size {text!r}: use a number of bytes, or one with K, M or G "
-                                         "(8, 64K, 1.5M, 1G)") from None
-
-
-def sizes(minbytes: int, maxbytes: int, factor: int) -> Iterator[int]:
-    """minbytes * factor^k up to maxbytes, plus maxbytes itself if the steps skip it."""
-    s, last = max(1, minbytes), 0
-    while s <= maxbytes:
-        yield s
-        last = s
-        if factor <= 1:
-            break
-        s *= factor
-    if last < maxbytes and factor > 1:
-        yield maxbytes
-
-
-def bus_factor(op: str, n: int) -> float:
-    if op == "all_reduce":
-        return 2.0 * (n - 1) / n
-    return (n - 1) / n if op in BLOCKED else 1.0
-
-
-def pattern(rank: int, count: int, dtype: np.dtype, offset: int = 0) -> np.ndarray:
-    """Known input ((i % 7) + 1) * (rank + 1): sums stay exact in every dtype we test."""
-    idx = np.arange(offset, offset + count, dtype=np.int64)
-    return (((idx % 7) + 1) * (rank + 1)).astype(dtype)
-
-
-def blocks(ranks: Sequence[int], block: int, dtype: np.dtype, offsets: Sequence[int]) -> np.ndarray:
-    return np.concatenate([pattern(r, block, dtype, o) for r, o in zip(ranks, offsets)])
-
-
-def source(op: str, rank: int, n: int, block: int, dtype: np.dtype, root: int) -> np.ndarray:
-    """The known input of ``rank``."""
-    if op == "reduce_scatter":
-        return pattern(rank, block * n, dtype)
-    if op == "scatter":
-        return blocks(range(n), block, dtype, [0] * n) if rank == root else np.zeros(block * n, dtype)
-    if op == "all_to_all":
-        return blocks([rank] * n, block, dtype, [j * block for j in range(n)])
-    if op == "broadcast":
-        return pattern(root, block, dtype) if rank == root else np.zeros(block, dtype)
-    return pattern(rank, block, dtype)
-
-
-def expected(op: str, rank: int, n: int, block: int, dtype: np.dtype, redop: str, root: int) -> np.ndarray | None:
-    if op in ("gather", "reduce") and rank != root:
-        return None
-    if op in ("all_gather", "gather"):
-        return blocks(range(n), block, dtype, [0] * n)
-    if op == "scatter":
-        return pattern(rank, block, dtype)
-    if op == "all_to_all":
-        return blocks(range(n), block, dtype, [rank * block] * n)
-    if op == "broadcast":
-        return pattern(root, block, dtype)
-    offset = rank * block if op == "reduce_scatter" else 0
-    if redop in BITWISE:
-        return BITWISE[redop].reduce([pattern(r, block, dtype, offset) for r in range(n)])  # type: ignore[no-any-return]
-    base = pattern(0, block, dtype, offset).astype(np.float64)
-    factor = {"sum": n * (n + 1) / 2, "avg": (n + 1) / 2, "max": n, "min": 1,
-              "prod": float(math.factorial(n))}[redop]
-    ref = base ** n if redop == "prod" else base
-    return (ref * factor).astype(dtype)
-
-
-def _touched(count: int, dtype: np.dtype) -> np.ndarray:
-    """Zeros of ``count`` with every page written (faulted in, private)."""
-    array = np.empty(count, dtype)
-    array.fill(0)
-    return array
-
-
-class Case:
-    """Buffers and the call for one (op, size), allocated and touched once."""
-
-    def __init__(self, comm: Any, op: str, nbytes: int, dtype: np.dtype, redop: str, root: int,
-                 algorithm: str | None, inplace: bool) -> None:
-        n, item = comm.size, dtype.itemsize
-        total = max(1, nbytes // item)
-        self.block = max(1, total // n) if op in BLOCKED else total
-        self.size = self.block * item * (n if op in BLOCKED else 1)
-        self.comm, self.op, self.dtype, self.redop, self.root = comm, op, dtype, redop, root
-        self.algorithm = algorithm
-        rooted_out = comm.rank == root or op not in ("gather", "reduce")
-        in_count = self.block * n if op in ("reduce_scatter", "all_to_all", "scatter") else self.block
-        out_count = self.block * n if op in ("all_gather", "gather", "all_to_all") else self.block
-        # Every page written once: an untouched np.zeros maps the kernel's shared zero page, which
-        # an op that only reads its input (all_gather, a broadcast's root) reads from the cache
-        # (np=2 32 MiB all_gather: 2.9-3.2 ms a call untouched against 4.3-4.8 with its pages).
-        self.src = _touched(in_count, dtype)
-        if inplace and op in ("all_reduce", "broadcast", "reduce"):
-            self.dst: np.ndarray | None = self.src if rooted_out else None
-        else:
-            self.dst = _touched(out_count, dtype) if rooted_out else None
-
-    def issue(self) -> "asyncio.Future[Any]":
-        kw: dict[str, Any] = {"out": self.dst, "algorithm": self.algorithm}
-        if self.op == "reduce":
-            return self.comm.reduce(self.src, self.redop, self.root, **kw)  # type: ignore[no-any-return]
-        if self.op in REDUCING:
-            return getattr(self.comm, self.op)(self.src, self.redop, **kw)  # type: ignore[no-any-return]
-        if self.op in ROOTED:
-            return getattr(self.comm, self.op)(self.src, self.root, **kw)  # type: ignore[no-any-return]
-        return getattr(self.comm, self.op)(self.src, **kw)  # type: ignore[no-any-return]
-
-    async def check(self) -> int:
-        """Run once on known data; return the number of wrong elements on this rank."""
-        rank, n = self.comm.rank, self.comm.size
-        self.src[:] = source(self.op, rank, n, self.block, self.dtype, self.root)
-        got = await self.issue()
-        want = expected(self.op, rank, n, self.block, self.dtype, self.redop, self.root)
-        if want is None:
-            wrong = 0 if got is None else got.size
-        elif self.dtype.kind == "f":
-            wrong = int(np.count_nonzero(~np.isclose(got, want, rtol=1e-2 if self.dtype.itemsize == 2 else 1e-5)))
-        else:
-            wrong = int(np.count_nonzero(got != want))
-        self.src[:] = 0  # timed loops run on zeros: in-place sums cannot overflow
-        return wrong
-
-
-async def measure(case: Case, warmup: int, iters: int, max_seconds: float) -> tuple[float, float, int]:
-    """(mean us per op on this rank, median us per op, iterations timed)."""
-    comm = case.comm
-    for _ in range(warmup):
-        await case.issue()
-    await comm.barrier()
-    t0 = time.perf_counter()
-    await case.issue()
-    one = time.perf_counter() - t0
-    # Every rank must time the same number of iterations: agree on the slowest estimate.
-    est = await comm.all_reduce(np.array([one]), "max")
-    budget = int(max_seconds / est[0]) if est[0] > 0 else iters
-    count = max(min(3, iters), min(iters, budget))
-    await comm.barrier()
-    stamps = np.empty(count + 1)
-    stamps[0] = time.perf_counter()
-    for i in range(count):
-        await case.issue()
-        stamps[i + 1] = time.perf_counter()
-    each = np.diff(stamps)
-    return float(each.mean()) * 1e6, float(np.median(each)) * 1e6, count
 
 
 async def sweep(comm: Any, args: argparse.Namespace, algorithm: str | None) -> list[dict[str, Any]]:
@@ -541,8 +374,9 @@ def calibrate() -> None:
     cache = last_level_cache()
     print(f"in cache ({cache >> 20} MiB last-level; calls whose data fits half of it with a core per rank): "
           f"copy {1 / copy_hot / 1e9:.2f} GB/s, reduce {1 / gamma_hot / 1e9:.2f} GB/s")
+    picks = _cost.load().picks  # what `tune` measured stays: it is timings, not the model's numbers
     model = dataclasses.replace(_cost.CostModel(), gamma=gamma, copy=copy, engine=engine, copy_shared=shared,
-                                cores=cores, cache=cache, copy_hot=copy_hot, gamma_hot=gamma_hot)
+                                cores=cores, cache=cache, copy_hot=copy_hot, gamma_hot=gamma_hot, picks=picks)
     links, scales = dict(model.links), []
     with tempfile.TemporaryDirectory() as tmp:
         for kind in ("sdma", "rdma"):
@@ -563,13 +397,15 @@ def calibrate() -> None:
     print(f"notify: {task * 1e6:.0f} us, cores: {cores}")
     model = dataclasses.replace(model, links=links, task=task, cores=cores,
                                 source=f"calibrated {time.strftime('%Y-%m-%d')}")
-    print(f"saved {_cost.save(model)}")
+    print(f"saved {_cost.save(model)}" + (f" (with the {len(picks)} picks `ahcomm-bench tune` measured before)"
+                                           if picks else ""))
 
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="ahcomm-bench", description=__doc__.split("\n\n")[0] if __doc__ else None)
-    p.add_argument("op", choices=(*OPS, "calibrate"),
-                   help="the collective to time, or 'calibrate' (measure the cost model's numbers)")
+    p.add_argument("op", choices=(*OPS, "calibrate", "tune"),
+                   help="the collective to time, 'calibrate' (measure the cost model's numbers) or 'tune' (measure "
+                        "the fastest algorithm per op, rank count and size; the selector then takes it)")
     p.add_argument("-n", "--np", dest="nproc", type=int, default=2, help="ranks to start (when not launched)")
     p.add_argument("-b", "--minbytes", type=parse_size, default=parse_size("8"),
                    help="smallest size in bytes (8, 64K, 1M; default 8)")
@@ -594,6 +430,16 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--plot-peers", default=None, metavar="JSON",
                    help="with --plot: also draw gloo's and OpenMPI's curves from benchmarks/compare.py's results "
                         "(e.g. benchmarks/results/latest.json)")
+    tune = p.add_argument_group("tune")
+    tune.add_argument("--ranks", type=_tune.rank_list, default=None,
+                      help="rank counts to tune for, e.g. 2,4 (default: -n)")
+    tune.add_argument("--ops", dest="tune_ops", type=_tune.op_list, default=list(_tune.OPS),
+                      help=f"ops to tune (default {','.join(_tune.OPS)})")
+    tune.add_argument("--rounds", type=int, default=_tune.ROUNDS,
+                      help=f"interleaved rounds per size; an algorithm's time is its median (default {_tune.ROUNDS})")
+    tune.add_argument("--within", type=float, default=_tune.WITHIN,
+                      help="time the algorithms the cost model estimates within this factor of its cheapest "
+                           f"(default {_tune.WITHIN:g})")
     return p
 
 
@@ -604,10 +450,19 @@ def main(argv: Sequence[str] | None = None) -> None:
         private.add_argument("--json", required=True)
         asyncio.run(calibrate_rank(private.parse_args(argv[1:]).json))
         return
+    if argv[:1] == [_tune.PRIVATE]:  # one rank of a `tune` job
+        asyncio.run(_tune.tune_rank(_tune.private_parser().parse_args(argv[1:])))
+        return
     p = parser()
     args = p.parse_args(argv)
     if args.op == "calibrate":
         calibrate()
+        return
+    if args.op == "tune":
+        if args.rounds < 1 or args.within < 1:
+            p.error("tune: --rounds must be 1 or more and --within 1 or more")
+        args.ranks = args.ranks or [args.nproc]
+        _tune.tune(args)
         return
     if args.algorithm not in (None, "all"):
         from .algorithms import REGISTRY

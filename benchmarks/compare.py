@@ -13,6 +13,9 @@ Ratios are busbw(ahcomm) / busbw(peer): above 1 means ahcomm is faster.
     python3 benchmarks/compare.py --latency  # small-message p50/p90 instead (compare_latency.py)
     python3 benchmarks/compare.py --ops broadcast,all_gather -b 2M -e 64M -f 4 --rounds 3 \
         --ahcomm-algorithms direct,mesh,oneshot   # A/B of algorithms beside the peers, median of 3
+    python3 benchmarks/compare.py -b 2M -e 64M -f 2 --rounds 3 --tune
+        # first `ahcomm-bench tune` over the sweep's ops, rank counts and sizes: ahcomm runs the
+        # picks measured on this host (in a file of the run's own, not the user's calibration)
 Every tool's time is its slowest rank's (max over ranks of the per-rank mean).
 """
 from __future__ import annotations
@@ -77,6 +80,25 @@ def sweep_args(a: argparse.Namespace) -> list[str]:
     return args
 
 
+def tune(a: argparse.Namespace, tmp: Path) -> dict[str, Any]:
+    """``ahcomm-bench tune`` over the sweep's ops, rank counts and sizes into a tuning file of this
+    run's own (``a.ahcomm_env`` then points the ahcomm runs at it); its report, or the error."""
+    model = tmp / "tuned.json"
+    env = {**os.environ, "AHCOMM_TUNING_FILE": str(model)}
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "ahcomm" / "calibration.json"
+    original = Path(os.environ.get("AHCOMM_TUNING_FILE") or cache)
+    if original.is_file():  # tune on top of the user's calibration, not the defaults
+        model.write_bytes(original.read_bytes())
+    t0 = time.monotonic()
+    doc = run_json([a.ahcomm_python, "-m", "ahcomm.bench", "tune", "--ranks", ",".join(map(str, a.np)),
+                    "--ops", ",".join(a.ops), *sweep_args(a), "--json", str(tmp / "tune.json")],
+                   a.timeout, tmp / "tune.log", env=env)
+    doc["seconds"] = round(time.monotonic() - t0, 1)
+    if "error" not in doc:
+        a.ahcomm_env = env
+    return doc
+
+
 def run_np(n: int, a: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     """All tools at world size n -> {tool: {"rows": [...], "errors": [...], ...}}."""
     res: dict[str, Any] = {}
@@ -89,7 +111,7 @@ def run_np(n: int, a: argparse.Namespace, tmp: Path) -> dict[str, Any]:
             tag = tool.replace(":", "-")
             f = tmp / f"{tag}-np{n}-{op}.json"
             doc = run_json([a.ahcomm_python, "-m", "ahcomm.bench", "-n", str(n), op, *sw, *a.ahcomm_args.split(),
-                            *forced, "--json", str(f)], a.timeout, tmp / f"{tag}-np{n}-{op}.log")
+                            *forced, "--json", str(f)], a.timeout, tmp / f"{tag}-np{n}-{op}.log", env=a.ahcomm_env)
             if "error" in doc:
                 merged["errors"].append({"op": op, **doc["error"]})
             else:
@@ -225,6 +247,7 @@ def header(a: argparse.Namespace, results: dict[int, Any], date: str) -> str:
         f"- rounds: {a.rounds} (tools interleaved within each round; the median round's row is shown,"
         " every round's busbw on the line below it)",
         f"- load average (1 min) before each round: {', '.join(f'{x:.2f}' for x in a.loads) or '-'}",
+        f"- ahcomm's picks: {a.picks}",
         *[f"- {v}" for v in vers], "", ""])
 
 
@@ -258,6 +281,8 @@ def main(argv: list[str] | None = None) -> int:
                    "algorithm (columns ahcomm:NAME), e.g. 'direct,mesh' for an A/B in the same run")
     p.add_argument("--rounds", type=int, default=1, help="run every tool this many times, interleaved "
                    "(round 1: every tool, round 2: every tool, ...); report the median round")
+    p.add_argument("--tune", action="store_true", help="first measure ahcomm's fastest algorithm per op, np and "
+                   "size (ahcomm-bench tune, into this run's own file), then run the sweep with those picks")
     p.add_argument("--timeout", type=float, default=1200.0, help="seconds per tool run")
     p.add_argument("--out-dir", default=str(ROOT / "benchmarks" / "results"))
     a = p.parse_args(argv)
@@ -268,12 +293,22 @@ def main(argv: list[str] | None = None) -> int:
     a.tools = [x for x in a.tools.split(",") if x]
     a.ahcomm_algorithms = [x for x in a.ahcomm_algorithms.split(",") if x]
     a.loads = []
+    a.ahcomm_env = None
+    tuning = os.environ.get("AHCOMM_TUNING_FILE")
+    a.picks = "the selector's, " + (f"AHCOMM_TUNING_FILE={tuning}" if tuning else "with this host's calibration file")
     outdir = Path(a.out_dir)
     outdir.mkdir(parents=True, exist_ok=True)
     date = datetime.date.today().isoformat()
     results: dict[int, Any] = {}
     with tempfile.TemporaryDirectory(prefix="ahcomm-compare-") as td:
         rounds: dict[int, list[dict[str, Any]]] = {n: [] for n in a.np}
+        tuned: dict[str, Any] = {}
+        if a.tune and "ahcomm" in a.tools:
+            print("== ahcomm-bench tune", flush=True)
+            tuned = tune(a, Path(td))
+            a.picks = (f"measured by `ahcomm-bench tune` over this sweep's ops, np and sizes before round 1 "
+                       f"({tuned['seconds']:.0f} s; latest.json's \"tune\" has its times)" if "error" not in tuned
+                       else f"the selector's: `ahcomm-bench tune` failed ({tuned['error']['tail'][-200:]})")
         for k in range(max(1, a.rounds)):
             a.loads.append(os.getloadavg()[0])
             (Path(td) / f"r{k}").mkdir()
@@ -289,7 +324,7 @@ def main(argv: list[str] | None = None) -> int:
     (outdir / "latest.md").write_text(latest)
     (outdir / "latest.json").write_text(json.dumps(
         {"date": date, "argv": sys.argv[1:], "sweep": {"b": a.b, "e": a.e, "f": a.f},
-         "results": {str(n): r for n, r in results.items()}}, indent=1))
+         "results": {str(n): r for n, r in results.items()}, "tune": tuned}, indent=1))
     print(f"wrote {outdir}/latest.md, latest.json and {date}-np<N>.md", flush=True)
     failed = [t for r in results.values() for t, d in r.items() if d.get("errors")]
     if failed:

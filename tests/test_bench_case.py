@@ -1,4 +1,4 @@
-"""The benchmark's buffers hold their own pages before any timing (ahcomm.bench.Case)."""
+"""The benchmark's buffers hold their own pages before any timing (ahcomm._bench_case.Case)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from ahcomm.bench import Case
+from ahcomm._bench_case import Case
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
 

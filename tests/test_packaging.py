@@ -11,7 +11,7 @@ import tomllib
 import numpy as np
 import pytest
 
-from ahcomm import ReduceOp, bench
+from ahcomm import ReduceOp, _bench_case, bench
 
 from jobs import ROOT, job_env
 
@@ -96,10 +96,10 @@ def test_a_reduce_op_the_dtype_cannot_take_is_an_argument_error(capsys: pytest.C
 def test_bench_checks_bitwise_results(redop: str) -> None:
     n, block, dtype = 3, 20, np.dtype(np.int32)
     ufunc = {"band": np.bitwise_and, "bor": np.bitwise_or, "bxor": np.bitwise_xor}[redop]
-    want = bench.pattern(0, block, dtype)
+    want = _bench_case.pattern(0, block, dtype)
     for r in range(1, n):
-        want = ufunc(want, bench.pattern(r, block, dtype))
-    got = bench.expected("all_reduce", 1, n, block, dtype, redop, 0)
+        want = ufunc(want, _bench_case.pattern(r, block, dtype))
+    got = _bench_case.expected("all_reduce", 1, n, block, dtype, redop, 0)
     assert got is not None and np.array_equal(got, want)
 
 

@@ -419,6 +419,9 @@ def test_calibrate_saves_the_cores_the_job_may_use(tmp_path: Path) -> None:
     count them, not the host's ``cpu_count`` (a calibration in a 2-core container on a big host
     spread its crowding over every core of the host)."""
     path = tmp_path / "calibration.json"
+    tuned = {"op": "all_gather", "ranks": 2, "link": "sdma", "single_copy": True, "nbytes": 1 << 20,
+             "algorithm": "direct", "time_us": 100.0}  # what `ahcomm-bench tune` measured: calibrate keeps it
+    path.write_text(json.dumps({"version": 2, "source": "defaults", "picks": [tuned]}))
     one = min(os.sched_getaffinity(0))
     env = {**os.environ, "AHCOMM_TUNING_FILE": str(path)}
     done = subprocess.run([sys.executable, "-m", "ahcomm.bench", "calibrate"], env=env, capture_output=True,
@@ -426,3 +429,4 @@ def test_calibrate_saves_the_cores_the_job_may_use(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr[-2000:]
     assert "each with 1 copying at once" in done.stdout, done.stdout
     assert load_model(str(path)).cores == 1
+    assert [p.to_dict() for p in load_model(str(path)).picks] == [tuned]

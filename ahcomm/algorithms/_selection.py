@@ -1,4 +1,5 @@
-"""Which algorithm runs a call: per-call override, AHCOMM_ALGO, then the default rule.
+"""Which algorithm runs a call: per-call override, AHCOMM_ALGO, a pick measured on this host
+(``ahcomm-bench tune``, ``_tuned``), then the cost model.
 
 AHCOMM_ALGO follows HCCL_ALGO's grammar: ``"level0:NA;level1:ring"`` for every op, or per
 op ``"allreduce=level0:NA;level1:ring/allgather=level1:mesh"``. ``NA`` leaves a level to
@@ -106,7 +107,8 @@ class Selector:
         return None
 
     def _default(self, call: Call, topo: Topology) -> Algorithm:
-        """The cheapest candidate by the cost model; without estimates, mesh, ring, then the first
+        """The algorithm measured fastest here, else the cheapest candidate by the cost model;
+        without estimates, mesh, ring, then the first
         (remembered per kind of call: a registry that changed, or another model, starts afresh)."""
         key = (call.op, call.dtype, call.count, call.redop, call.root, call.counts, call.recv_counts, topo,
                self.registry.version)
@@ -121,7 +123,28 @@ class Selector:
         pick = self._picks[key] = self._cheapest(call, topo)
         return pick
 
+    def basis(self, call: Call, topo: Topology) -> str:
+        """What decides ``call``'s algorithm when no per-call one is given: ``"AHCOMM_ALGO"``,
+        ``"measured"`` (a pick ``ahcomm-bench tune`` measured here) or ``"cost model"``."""
+        name = self._from_env(call, topo)
+        if name is not None:  # as ``choose``: it decides unless its all-ops form names one that cannot run this
+            algorithm = self.registry.algorithms.get(name)
+            level1 = (name in hierarchical.LEVEL1 and topo.servers > 1
+                      and hierarchical.with_level1(name).select(call, topo))
+            if level1 or algorithm is None or algorithm.select(call, topo) or call.op in self.env:
+                return "AHCOMM_ALGO"
+        return "measured" if self._measured(call, topo) is not None else "cost model"
+
+    def _measured(self, call: Call, topo: Topology) -> Algorithm | None:
+        """The algorithm measured fastest here for calls like ``call``, where it can run it."""
+        pick = self.model.measured(call, topo)
+        algorithm = self.registry.algorithms.get(pick.algorithm) if pick is not None else None
+        return algorithm if algorithm is not None and algorithm.select(call, topo) else None
+
     def _cheapest(self, call: Call, topo: Topology) -> Algorithm:
+        measured = self._measured(call, topo)
+        if measured is not None:
+            return measured
         best: Algorithm | None = None
         best_cost = math.inf
         for algorithm in self.registry.algorithms.values():

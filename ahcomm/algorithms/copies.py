@@ -53,12 +53,16 @@ def copies(algorithm: str, call: Call, topo: Topology) -> dict[str, object] | No
 
 class Explanation(tuple[str, dict[str, float | None]]):
     """``(algorithm, {candidate: estimated seconds})`` plus ``copies``: the copies per byte of
-    the chosen algorithm (see ``copies``), None where not written down."""
+    the chosen algorithm (see ``copies``), None where not written down; and ``basis``: what chose
+    it ("AHCOMM_ALGO", "measured": a pick ``ahcomm-bench tune`` measured on this host, or
+    "cost model": the cheapest estimate)."""
 
     copies: dict[str, object] | None
+    basis: str
 
     def __new__(cls, algorithm: str, costs: dict[str, float | None],
-                copies: dict[str, object] | None) -> "Explanation":
+                copies: dict[str, object] | None, basis: str = "cost model") -> "Explanation":
         self = super().__new__(cls, (algorithm, costs))
         self.copies = copies
+        self.basis = basis
         return self

@@ -39,7 +39,9 @@ core, is priced at the in-cache rates ``copy_hot`` and ``gamma_hot`` (``CostMode
 there costs no more than out of cache (``in_cache``).
 
 The numbers come from a calibration on the host (``ahcomm-bench calibrate``, cached in a JSON
-file) or, without one, from defaults fitted to sweeps on a 2-core x86 host. Rank 0's model
+file) or, without one, from defaults fitted to sweeps on a 2-core x86 host. The same file
+carries ``picks``, the algorithms ``ahcomm-bench tune`` measured fastest here, which the
+selector takes before the model (``_tuned``). Rank 0's model
 is handed to every rank at init, so every rank computes the same costs and picks the same
 algorithm; a cost must not depend on what differs between ranks (the rank, all_to_all_v's
 per-rank counts).
@@ -57,6 +59,7 @@ from typing import Any
 
 from .._config import usable_cores
 from .._stream import ENGINE_THRESHOLD as ENGINE_BYTES
+from ._tuned import MeasuredPick, nearest, parse
 from .call import Call, Topology
 
 MODEL_VERSION = 2  # calibrations written with another meaning of the numbers are ignored
@@ -105,6 +108,17 @@ class CostModel:
     copy_hot: float = 0.0  # seconds per byte copied where a call's data stays in cache (``hot``; 0: as ``copy``)
     gamma_hot: float = 0.0  # the same for a byte reduced (0: as ``gamma``)
     staged: float = STAGED  # a staged copy's share of ``copy`` (``Work.staged``; 1 in ``in_cache``)
+    picks: tuple[MeasuredPick, ...] = ()  # fastest algorithms measured here (``ahcomm-bench tune``)
+
+    def measured(self, call: Call, topo: Topology) -> MeasuredPick | None:
+        """The pick measured on this host for a call like ``call`` on ``topo`` (``_tuned.nearest``):
+        one server, every link of one kind; None where none was measured near its size."""
+        if not self.picks or topo.servers != 1 or topo.size < 2:
+            return None
+        kinds = set(topo.link_kinds) - {"self"}
+        if len(kinds) != 1:
+            return None
+        return nearest(self.picks, call.op, topo.size, kinds.pop(), topo.single_copy, call_bytes(call, topo.size)[0])
 
     def hot(self, ranks_here: int, whole: float) -> bool:
         """Whether a call of ``whole`` bytes on a host with ``ranks_here`` of its ranks runs out of
@@ -194,16 +208,18 @@ class CostModel:
         return {"version": MODEL_VERSION, "links": {k: asdict(v) for k, v in self.links.items()},
                 "gamma": self.gamma, "copy": self.copy, "task": self.task, "engine": self.engine, "cores": self.cores,
                 "copy_shared": self.copy_shared, "cache": self.cache, "copy_hot": self.copy_hot,
-                "gamma_hot": self.gamma_hot, "staged": self.staged, "source": self.source}
+                "gamma_hot": self.gamma_hot, "staged": self.staged, "source": self.source,
+                "picks": [p.to_dict() for p in self.picks]}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "CostModel":
         """The model in ``data``; the defaults where ``data`` lacks a number or comes from an older
-        calibration (another meaning of alpha), keeping its ``cores``."""
+        calibration (another meaning of alpha), keeping its ``cores`` and its measured picks."""
         default = cls()
         cores = int(data.get("cores", 0) or 0)
+        picks = parse(data.get("picks"))
         if int(data.get("version", 1)) != MODEL_VERSION:
-            return replace(default, cores=cores)
+            return replace(default, cores=cores, picks=picks)
         links = _default_links()
         for kind, values in dict(data.get("links", {})).items():
             links[str(kind)] = LinkCost(alpha=float(values["alpha"]), beta=float(values["beta"]))
@@ -213,7 +229,8 @@ class CostModel:
                    cores=cores, source=str(data.get("source", "file")),
                    copy_shared=float(data.get("copy_shared", 0.0)),  # absent in older files: not measured
                    cache=int(data.get("cache", 0) or 0), copy_hot=float(data.get("copy_hot", 0.0)),
-                   gamma_hot=float(data.get("gamma_hot", 0.0)), staged=float(data.get("staged", STAGED)))
+                   gamma_hot=float(data.get("gamma_hot", 0.0)), staged=float(data.get("staged", STAGED)),
+                   picks=picks)
 
 
 def cache_path() -> Path:
@@ -244,9 +261,14 @@ def load() -> CostModel:
 
 
 def save(model: CostModel) -> Path:
+    """Write ``model`` where ``load`` reads it. An uncalibrated model (measured picks on the
+    defaults) keeps only its picks: later defaults, and this host's cores, still apply."""
     path = cache_path()
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(model.to_dict(), indent=1))
+    data = model.to_dict()
+    if model.source == "defaults":
+        data = {"version": MODEL_VERSION, "source": model.source, "picks": data["picks"]}
+    path.write_text(json.dumps(data, indent=1))
     return path
 
 
