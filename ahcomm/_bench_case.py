@@ -147,9 +147,13 @@ class Case:
         return getattr(self.comm, self.op)(self.src, **kw)  # type: ignore[no-any-return]
 
     async def check(self) -> int:
-        """Run once on known data; return the number of wrong elements on this rank."""
+        """Run once on known data; return the number of wrong elements on this rank. A separate
+        output is filled with a value no right answer holds first: an algorithm that leaves part
+        of it unwritten is not credited with what ran before it into the same buffer."""
         rank, n = self.comm.rank, self.comm.size
         self.src[:] = source(self.op, rank, n, self.block, self.dtype, self.root)
+        if self.dst is not None and self.dst is not self.src:
+            _poison(self.dst)
         got = await self.issue()
         want = expected(self.op, rank, n, self.block, self.dtype, self.redop, self.root)
         if want is None:
@@ -160,6 +164,17 @@ class Case:
             wrong = int(np.count_nonzero(got != want))
         self.src[:] = 0  # timed loops run on zeros: in-place sums cannot overflow
         return wrong
+
+
+def _poison(array: np.ndarray) -> None:
+    """Fill ``array`` with what ``expected`` never holds: NaN, an integer's largest value (inputs
+    are at most 7 * n, sums far below it), False (the pattern is never 0)."""
+    if array.dtype == np.bool_:
+        array.fill(False)
+    elif array.dtype.kind in "iu":
+        array.fill(np.iinfo(array.dtype).max)
+    else:
+        array[...] = np.nan
 
 
 async def measure(case: Case, warmup: int, iters: int, max_seconds: float) -> tuple[float, float, int]:

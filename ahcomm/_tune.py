@@ -172,7 +172,9 @@ def tune(args: argparse.Namespace) -> None:
         model_file = os.path.join(tmp, "model.json")
         with open(model_file, "w") as f:
             json.dump(base.to_dict(), f)
-        env = {**os.environ, "AHCOMM_TUNING_FILE": model_file}
+        # AHCOMM_ALGO would decide the job's picks itself (and be saved as measured)
+        env = {k: v for k, v in os.environ.items() if k != "AHCOMM_ALGO"} | {"AHCOMM_TUNING_FILE": model_file}
+        failed = ""
         for n in args.ranks:
             out = os.path.join(tmp, f"np{n}.json")
             command = [sys.executable, "-m", "ahcomm.bench", PRIVATE, "--json", out, "--ops", ",".join(args.tune_ops),
@@ -180,8 +182,9 @@ def tune(args: argparse.Namespace) -> None:
                        "-w", str(args.warmup_iters), "-i", str(args.iters), "--max-seconds", str(args.max_seconds),
                        "--rounds", str(args.rounds), "--within", str(args.within)]
             status = asyncio.run(launch(n, command, env=env))
-            if status != 0:
-                sys.exit(f"ahcomm-bench tune: the {n}-rank job failed with status {status}")
+            if status != 0:  # what earlier rank counts measured is still saved
+                failed = f"ahcomm-bench tune: the {n}-rank job failed with status {status}"
+                break
             with open(out) as f:
                 result = json.load(f)
             report(result)
@@ -194,3 +197,5 @@ def tune(args: argparse.Namespace) -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"tool": "ahcomm-bench tune", "results": results}, f, indent=1)
+    if failed:
+        sys.exit(failed)

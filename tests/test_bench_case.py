@@ -62,3 +62,28 @@ def test_case_buffers_of_every_dtype_are_zeros() -> None:
         case = Case(comm, "all_gather", 3000, np.dtype(dtype), "sum", 0, None, inplace=False)
         assert case.src.dtype == dtype and not case.src.astype(np.float64).any()
         assert case.dst is not None and case.dst.size == 3 * case.src.size
+
+
+class _Comm:
+    """A 2-rank comm's rank 0 whose all_gather writes the right answer only while ``right``."""
+
+    size, rank = 2, 0
+    right = True
+
+    async def all_gather(self, src: np.ndarray, *, out: np.ndarray, algorithm: str | None) -> np.ndarray:
+        if self.right:
+            from ahcomm._bench_case import expected
+
+            out[:] = expected("all_gather", 0, 2, src.size, src.dtype, "sum", 0)
+        return out
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.int32, np.bool_])
+async def test_check_counts_an_output_left_unwritten(dtype: type) -> None:
+    """The tuning job checks every algorithm on one Case in turn: one that writes nothing must not
+    inherit the previous one's right answer (the old check left the output as it was)."""
+    comm = _Comm()
+    case = Case(comm, "all_gather", 4096, np.dtype(dtype), "sum", 0, None, inplace=False)
+    assert await case.check() == 0
+    comm.right = False
+    assert await case.check() > 0

@@ -64,8 +64,18 @@ def test_nearest_matches_op_ranks_link_and_single_copy() -> None:
 
 def test_parse_leaves_out_malformed_entries() -> None:
     good = pick().to_dict()
-    assert parse([good, {"op": "all_gather"}, "junk", {**good, "ranks": "x"}]) == (pick(),)
+    bad = [{"op": "all_gather"}, "junk", {**good, "ranks": "x"}, {**good, "nbytes": float("inf")},
+           {**good, "single_copy": "false"}]  # int(inf) overflows; bool("false") would be True
+    assert parse([good, *bad]) == (pick(),)
     assert parse(None) == () and parse({"op": 1}) == ()
+
+
+def test_a_damaged_pick_does_not_stop_init(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "calibration.json"
+    monkeypatch.setenv("AHCOMM_TUNING_FILE", str(path))
+    path.write_text(json.dumps({"version": MODEL_VERSION, "source": "defaults",
+                                "picks": [pick().to_dict(), {**pick().to_dict(), "nbytes": 1e400}]}))
+    assert load().picks == (pick(),)
 
 
 def test_the_fastest_replaces_the_models_pick_only_by_a_margin() -> None:
@@ -103,11 +113,25 @@ def test_selector_takes_the_measured_pick_over_the_cost_model() -> None:
     assert tuned.choose(gather_call(n, nbytes), topo(n)).name == other
     assert tuned.basis(gather_call(n, nbytes), topo(n)) == "measured"
     # too far from the measured size, another host layout, no single copy: the cost model's
-    assert tuned.choose(gather_call(n, 64 << 20), topo(n)).name != other or plain == other
-    assert tuned.basis(gather_call(n, 64 << 20), topo(n)) == "cost model"
+    far = gather_call(n, 64 << 20)
+    assert tuned.choose(far, topo(n)) is Selector(REGISTRY, "", model).choose(far, topo(n))
+    assert tuned.basis(far, topo(n)) == "cost model"
     two_servers = topo(n, "rdma", hosts=("a", "b"))
     assert tuned.basis(gather_call(n, nbytes), two_servers) == "cost model"
     assert tuned.basis(gather_call(n, nbytes), topo(n, single_copy=False)) == "cost model"
+
+
+def test_picks_are_keyed_by_the_slowest_link_and_never_by_one_ranks_bytes() -> None:
+    """Every rank must pick alike. Links of mixed kinds are keyed by the slowest, as the model prices
+    them; all_to_all_v's bytes are this rank's own, so no pick applies to it."""
+    model = CostModel(cores=2, picks=(pick(op="all_gather", ranks=3, link="rdma", nbytes=3 << 20),
+                                      pick(op="all_to_all_v", ranks=2, nbytes=1 << 20, algorithm="mesh")))
+    mixed = Topology(rank=0, size=3, hosts=("h",) * 3, link_kinds=("self", "sdma", "rdma"), single_copy=True)
+    assert model.link_kind(mixed) == "rdma" and model.link(mixed) == model.links["rdma"]
+    assert model.measured(gather_call(3, 3 << 20), mixed) is not None
+    counts = ((1 << 18, 1 << 18), (1 << 17, 1 << 17))  # 1 MiB sent and received here, not on every rank
+    a2av = Call(op="all_to_all_v", seq=0, dtype=F32, count=0, counts=counts[0], recv_counts=counts[1])
+    assert model.measured(a2av, topo(2)) is None
 
 
 def test_a_measured_pick_that_cannot_run_the_call_is_passed_over() -> None:
@@ -169,8 +193,10 @@ def test_tune_measures_picks_that_the_next_job_runs(tmp_path: Path) -> None:
     save_env = {**os.environ, "AHCOMM_TUNING_FILE": str(path)}
     path.write_text(json.dumps({"version": MODEL_VERSION, "source": "defaults", "picks": [earlier.to_dict()]}))
     out = tmp_path / "tune.json"
+    # the job's own picks, not AHCOMM_ALGO's: an inherited override would be saved as measured
     done = bench("tune", "--ranks", "2", "--ops", "all_gather", "-b", "64K", "-e", "128K", "-f", "2", "--rounds", "2",
-                 "-w", "1", "-i", "3", "--max-seconds", "0.05", "--json", str(out), env=save_env)
+                 "-w", "1", "-i", "3", "--max-seconds", "0.05", "--json", str(out),
+                 env={**save_env, "AHCOMM_ALGO": "allgather=level0:ring"})
     assert done.returncode == 0, done.stderr[-3000:]
     assert "saved 2 measured picks (1 earlier ones kept)" in done.stdout, done.stdout
     model = CostModel.from_dict(json.loads(path.read_text()))
@@ -179,12 +205,18 @@ def test_tune_measures_picks_that_the_next_job_runs(tmp_path: Path) -> None:
     result = json.loads(out.read_text())["results"][0]
     assert result["ranks"] == 2 and len(result["links"]) == 1
     for point, saved in zip(result["points"], sorted(measured, key=lambda p: p.nbytes)):
-        assert saved.algorithm == fastest(point) and point["model"] in point["times"]
+        assert saved.algorithm == fastest(point) and point["model"] in point["times"] and point["model"] != "ring"
         assert saved.link == result["links"][0] and not point["wrong"]
+    # a later job runs what the file says (here a pick the model would not make: ring's two steps)
+    data = json.loads(path.read_text())
+    for entry in data["picks"]:
+        if entry["op"] == "all_gather" and entry["nbytes"] == 128 << 10:
+            entry["algorithm"] = "ring"
+    path.write_text(json.dumps(data))
     rows = tmp_path / "rows.json"
     ran = bench("-n", "2", "all_gather", "-b", "128K", "-e", "128K", "-i", "3", "--json", str(rows), env=save_env)
     assert ran.returncode == 0, ran.stderr[-3000:]
-    assert json.loads(rows.read_text())["rows"][0]["algorithm"] == max(measured, key=lambda p: p.nbytes).algorithm
+    assert json.loads(rows.read_text())["rows"][0]["algorithm"] == "ring"
 
 
 @pytest.mark.parametrize(("args", "message"), [

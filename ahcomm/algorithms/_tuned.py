@@ -39,8 +39,11 @@ class MeasuredPick:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "MeasuredPick":
+        """The pick in ``data``; ValueError, TypeError, KeyError or OverflowError where it is not one."""
+        if not isinstance(data["single_copy"], bool):  # bool("false") would be True
+            raise TypeError(f"single_copy must be true or false, got {data['single_copy']!r}")
         return cls(op=str(data["op"]), ranks=int(data["ranks"]), link=str(data["link"]),
-                   single_copy=bool(data["single_copy"]), nbytes=int(data["nbytes"]),
+                   single_copy=data["single_copy"], nbytes=int(data["nbytes"]),
                    algorithm=str(data["algorithm"]), time_us=float(data.get("time_us", 0.0)))
 
 
@@ -50,7 +53,7 @@ def parse(rows: object) -> tuple[MeasuredPick, ...]:
     for row in rows if isinstance(rows, list) else []:
         try:
             picks.append(MeasuredPick.from_dict(row))
-        except (KeyError, TypeError, ValueError):
+        except (KeyError, TypeError, ValueError, OverflowError):  # OverflowError: int(float("inf"))
             continue
     return tuple(picks)
 

@@ -111,14 +111,14 @@ class CostModel:
     picks: tuple[MeasuredPick, ...] = ()  # fastest algorithms measured here (``ahcomm-bench tune``)
 
     def measured(self, call: Call, topo: Topology) -> MeasuredPick | None:
-        """The pick measured on this host for a call like ``call`` on ``topo`` (``_tuned.nearest``):
-        one server, every link of one kind; None where none was measured near its size."""
-        if not self.picks or topo.servers != 1 or topo.size < 2:
+        """The pick measured on this host for a call like ``call`` on ``topo`` (``_tuned.nearest``),
+        keyed as the model prices it: one server, its slowest link kind (``link``), the agreed
+        single-copy ability. None where none was measured near its size, and for all_to_all_v,
+        whose bytes differ from rank to rank (every rank must pick alike)."""
+        if not self.picks or topo.servers != 1 or topo.size < 2 or call.op == "all_to_all_v":
             return None
-        kinds = set(topo.link_kinds) - {"self"}
-        if len(kinds) != 1:
-            return None
-        return nearest(self.picks, call.op, topo.size, kinds.pop(), topo.single_copy, call_bytes(call, topo.size)[0])
+        return nearest(self.picks, call.op, topo.size, self.link_kind(topo), topo.single_copy,
+                       call_bytes(call, topo.size)[0])
 
     def hot(self, ranks_here: int, whole: float) -> bool:
         """Whether a call of ``whole`` bytes on a host with ``ranks_here`` of its ranks runs out of
@@ -153,11 +153,16 @@ class CostModel:
 
     def link(self, topo: Topology) -> LinkCost:
         """The slowest link kind among ``topo``'s links (what a flat algorithm is bound by)."""
-        kinds = [k for k in topo.link_kinds if k != "self"]
-        if not kinds:
-            return self.links.get("inproc", LinkCost(0.0, 0.0))
-        costs = [self.links.get(k, self.links["rdma"]) for k in set(kinds)]
-        return max(costs, key=lambda c: (c.beta, c.alpha))
+        kind = self.link_kind(topo)
+        return self.links.get(kind, self.links["rdma"]) if kind else self.links.get("inproc", LinkCost(0.0, 0.0))
+
+    def link_kind(self, topo: Topology) -> str:
+        """The name of ``link``'s kind ("" where ``topo`` has no link)."""
+        def slowness(kind: str) -> tuple[float, float]:
+            cost = self.links.get(kind, self.links["rdma"])
+            return cost.beta, cost.alpha
+
+        return max(sorted({k for k in topo.link_kinds if k != "self"}), key=slowness, default="")
 
     def per_host(self, topo: Topology) -> int:
         """Ranks on the most crowded host."""
