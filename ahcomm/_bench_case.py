@@ -152,10 +152,10 @@ class Case:
         of it unwritten is not credited with what ran before it into the same buffer."""
         rank, n = self.comm.rank, self.comm.size
         self.src[:] = source(self.op, rank, n, self.block, self.dtype, self.root)
-        if self.dst is not None and self.dst is not self.src:
-            _poison(self.dst)
-        got = await self.issue()
         want = expected(self.op, rank, n, self.block, self.dtype, self.redop, self.root)
+        if want is not None and self.dst is not None and self.dst is not self.src:
+            _poison(self.dst, want)
+        got = await self.issue()
         if want is None:
             wrong = 0 if got is None else got.size
         elif self.dtype.kind == "f":
@@ -166,13 +166,11 @@ class Case:
         return wrong
 
 
-def _poison(array: np.ndarray) -> None:
-    """Fill ``array`` with what ``expected`` never holds: NaN, an integer's largest value (inputs
-    are at most 7 * n, sums far below it), False (the pattern is never 0)."""
-    if array.dtype == np.bool_:
-        array.fill(False)
-    elif array.dtype.kind in "iu":
-        array.fill(np.iinfo(array.dtype).max)
+def _poison(array: np.ndarray, want: np.ndarray) -> None:
+    """Fill ``array`` with a value unlike ``want`` at every element: NaN for floating dtypes, the
+    right answer with its lowest bit flipped for integers and bools."""
+    if array.dtype == np.bool_ or array.dtype.kind in "iu":
+        np.bitwise_xor(want.reshape(array.shape), array.dtype.type(1), out=array)
     else:
         array[...] = np.nan
 

@@ -185,8 +185,12 @@ def tune(args: argparse.Namespace) -> None:
             if status != 0:  # what earlier rank counts measured is still saved
                 failed = f"ahcomm-bench tune: the {n}-rank job failed with status {status}"
                 break
-            with open(out) as f:
-                result = json.load(f)
+            try:
+                with open(out) as f:
+                    result = json.load(f)
+            except (OSError, ValueError) as exc:  # the job said it ended well but left no result
+                failed = f"ahcomm-bench tune: the {n}-rank job wrote no result ({exc})"
+                break
             report(result)
             results.append(result)
             found += picks_of(result)

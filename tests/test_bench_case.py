@@ -78,7 +78,7 @@ class _Comm:
         return out
 
 
-@pytest.mark.parametrize("dtype", [np.float32, np.int32, np.bool_])
+@pytest.mark.parametrize("dtype", [np.float32, np.int8, np.int32, np.bool_])
 async def test_check_counts_an_output_left_unwritten(dtype: type) -> None:
     """The tuning job checks every algorithm on one Case in turn: one that writes nothing must not
     inherit the previous one's right answer (the old check left the output as it was)."""
@@ -86,4 +86,16 @@ async def test_check_counts_an_output_left_unwritten(dtype: type) -> None:
     case = Case(comm, "all_gather", 4096, np.dtype(dtype), "sum", 0, None, inplace=False)
     assert await case.check() == 0
     comm.right = False
-    assert await case.check() > 0
+    assert await case.check() == case.dst.size
+
+
+@pytest.mark.parametrize(("dtype", "redop", "n"), [(np.bool_, "bxor", 2), (np.int8, "bor", 10), (np.uint8, "max", 51)])
+async def test_the_poison_differs_from_every_right_answer(dtype: type, redop: str, n: int) -> None:
+    """Even where the right answer is a fixed value a constant poison could equal (bxor of bools
+    over an even number of ranks is all False; int8 bor over 10 ranks is 127)."""
+    from ahcomm._bench_case import _poison, expected
+
+    want = expected("all_reduce", 0, n, 1000, np.dtype(dtype), redop, 0)
+    out = np.empty_like(want)
+    _poison(out, want)
+    assert not np.any(out == want)
