@@ -155,6 +155,28 @@ async def test_broadcasts_leave_slots_loose_and_later_calls_wait_for_them(size: 
             np.testing.assert_array_equal(results[rank][k].reshape(-1), want, err_msg=f"rank {rank} call {k} {kind}")
 
 
+async def test_all_gather_writes_its_own_row_while_it_waits_for_the_peers() -> None:
+    """The own row is copied before the wait, while the slot is in the cache and the peers still
+    publish (the old code copied every row after the wait); the others only once they arrive."""
+    comms = await ahcomm.init_inprocess(2)
+    try:
+        x = [np.full(1000, r + 1, np.float32) for r in range(2)]
+        out = [np.zeros(2000, np.float32) for _ in range(2)]
+        first = comms[0].all_gather(x[0], out=out[0], algorithm="oneshot")
+        for _ in range(50):  # rank 1 has not called yet
+            await asyncio.sleep(0.002)
+            if out[0][:1000].any():
+                break
+        assert not first.done()
+        np.testing.assert_array_equal(out[0][:1000], x[0])
+        assert not out[0][1000:].any()
+        await asyncio.wait_for(asyncio.gather(first, comms[1].all_gather(x[1], out=out[1], algorithm="oneshot")), 20)
+        for o in out:
+            np.testing.assert_array_equal(o, np.concatenate(x))
+    finally:
+        await asyncio.gather(*(c.close() for c in comms), return_exceptions=True)
+
+
 async def test_broadcast_roots_that_differ_fail_every_rank() -> None:
     """Ranks 0 and 1 each think they are the root: the root waits for every peer's publication
     and checks it, so both raise CollectiveMismatchError at once (a non-root checks the root's)."""
