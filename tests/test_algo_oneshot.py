@@ -250,6 +250,22 @@ def test_only_the_last_publisher_wakes_and_only_sleepers() -> None:
     assert boxes[1].arrived(0, 1) == (1, 7) and boxes[1].arrived(0, 0) == (0, 7)  # the other slot
 
 
+@pytest.mark.parametrize(("lo", "hi"), [(0, 40), (40, 80), (16, 48), (0, 160), (24, 24)])
+def test_a_publication_leaves_out_the_bytes_no_peer_reads(lo: int, hi: int) -> None:
+    """twoshot's own share: ``skip`` leaves [lo, hi) of the slot as it was and copies the rest;
+    the publication still says the whole size (peers index the other shares by offset)."""
+    boxes = mailbox.InprocMailboxes(2, 256).boxes
+    boxes[0].publish(0, 7, np.full(40, 9.0, np.float32))  # this slot's old bytes: 9.0
+    boxes[0].publish(1, 7)
+    data = np.arange(40, dtype=np.float32)
+    _, written = boxes[0].publish(2, 7, data, skip=(lo, hi))
+    got = written.view(np.float32)
+    want = data.copy()
+    want[lo // 4:hi // 4] = 9.0
+    np.testing.assert_array_equal(got, want)
+    assert boxes[1].payload(0, 2).nbytes == data.nbytes
+
+
 def test_spin_only_where_ranks_do_not_outnumber_cores(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(mailbox.os, "sched_getaffinity", lambda pid: {0, 1})
     monkeypatch.delenv("AHCOMM_SPIN_US", raising=False)
@@ -386,12 +402,12 @@ async def test_twoshot_abort_between_the_rounds(monkeypatch: pytest.MonkeyPatch)
     comms = await ahcomm.init_inprocess(3)
     real, made = twoshot.publish, [0, 0, 0]
 
-    async def publish(ctx: Any, data: Any) -> Any:
+    async def publish(ctx: Any, data: Any, **kw: Any) -> Any:
         made[ctx.rank] += 1
         if ctx.rank == 2 and made[2] == 2:  # rank 2 read every input, then stops
             comms[2].abort("stop")
             raise RuntimeError("stopped between the rounds")
-        return await real(ctx, data)
+        return await real(ctx, data, **kw)
 
     monkeypatch.setattr(twoshot, "publish", publish)
     try:

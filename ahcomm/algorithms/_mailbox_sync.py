@@ -18,14 +18,15 @@ from .base import Context
 RECHECK = 0.05  # seconds a sleeping waiter waits before it looks at the flags again, woken or not
 
 
-async def publish(ctx: Context, data: np.ndarray | None) -> tuple[int, np.ndarray]:
-    """This run's next publication (``Mailbox.publish``), once every peer's previous one is
-    seen (``settle``)."""
+async def publish(ctx: Context, data: np.ndarray | None,
+                  skip: tuple[int, int] | None = None) -> tuple[int, np.ndarray]:
+    """This run's next publication (``Mailbox.publish``; ``skip``: bytes of ``data`` no peer
+    reads), once every peer's previous one is seen (``settle``)."""
     box = ctx.mailbox
     assert box is not None
     if box.loose is not None:
         await settle(ctx)
-    return box.publish(ctx.call.seq, ctx.fingerprint, data)
+    return box.publish(ctx.call.seq, ctx.fingerprint, data, skip)
 
 
 async def settle(ctx: Context) -> None:

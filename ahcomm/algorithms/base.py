@@ -277,7 +277,8 @@ class Algorithm:
 
 def fold(ufunc: np.ufunc, parts: Sequence[np.ndarray], out: np.ndarray) -> None:
     """out = parts[0] op parts[1] op ... in this order (2 parts or more; the same bits on every
-    rank that folds the same parts). ``out`` may be one of the parts only if it is the first."""
+    rank that folds the same parts). ``out`` may be the first or the second part (one ufunc
+    call: numpy gives the result it would without the overlap), not a later one."""
     ufunc(parts[0], parts[1], out=out)
     for part in parts[2:]:
         ufunc(out, part, out=out)

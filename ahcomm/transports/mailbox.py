@@ -235,10 +235,12 @@ class Mailbox:
         self.loose: tuple[int, int, int] | None = None
         self.closed = False
 
-    def publish(self, seq: int, fingerprint: int, data: np.ndarray | None = None) -> tuple[int, np.ndarray]:
+    def publish(self, seq: int, fingerprint: int, data: np.ndarray | None = None,
+                skip: tuple[int, int] | None = None) -> tuple[int, np.ndarray]:
         """Write ``data`` (any contiguous array, or None: a header only) for collective ``seq``
         into this rank's next slot, set its flag and wake every peer; returns (the publication's
-        tick, the slot's payload as written)."""
+        tick, the slot's payload as written). ``skip``: a [start, stop) range of ``data``'s bytes
+        that no peer reads, left out of the copy (the slot's bytes there are stale)."""
         assert self.loose is None, "a loose publication is settled first (algorithms._mailbox_sync.publish)"
         tick = self.tick
         self.tick = tick + 1
@@ -249,7 +251,12 @@ class Mailbox:
             nbytes = data.nbytes
             if nbytes > self.capacity:
                 raise ValueError(f"mailbox: {nbytes} bytes do not fit a slot of {self.capacity}")
-            if nbytes:
+            if skip is not None:
+                raw = data.reshape(-1).view(np.uint8)
+                for lo, hi in ((0, skip[0]), (skip[1], nbytes)):
+                    if hi > lo:
+                        copy(payload[lo:hi], raw[lo:hi])
+            elif nbytes:
                 copy(payload[:nbytes].view(data.dtype).reshape(data.shape), data)
         meta = self._meta[self.rank][slot]
         meta[0] = fingerprint
