@@ -20,8 +20,8 @@ RECHECK = 0.05  # seconds a sleeping waiter waits before it looks at the flags a
 
 async def publish(ctx: Context, data: np.ndarray | None,
                   skip: tuple[int, int] | None = None) -> tuple[int, np.ndarray]:
-    """This run's next publication (``Mailbox.publish``; ``skip``: bytes of ``data`` no peer
-    reads), once every peer's previous one is seen (``settle``)."""
+    """This run's next publication (``Mailbox.publish``; ``skip``: a range of ``data``'s first axis
+    no peer reads), once every peer's previous one is seen (``settle``)."""
     box = ctx.mailbox
     assert box is not None
     if box.loose is not None:

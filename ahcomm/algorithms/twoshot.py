@@ -73,8 +73,7 @@ class TwoShot(Algorithm):
         # 2026-11-26-tune.md); not where ``out`` is the input and fold would read the share after
         # writing ``out`` (a third part or later)
         direct = r <= 1 or not np.shares_memory(own, out)
-        item = ctx.call.itemsize
-        tick, mine = await publish(ctx, ctx.src, skip=(a * item, b * item) if direct else None)
+        tick, mine = await publish(ctx, ctx.src.reshape(-1), skip=(a, b) if direct else None)
         await arrivals(ctx, tick)
         parts = [(own if direct else mine.view(dtype)[a:b]) if p == r else box.payload(p, tick).view(dtype)[a:b]
                  for p in range(n)]

@@ -239,8 +239,8 @@ class Mailbox:
                 skip: tuple[int, int] | None = None) -> tuple[int, np.ndarray]:
         """Write ``data`` (any contiguous array, or None: a header only) for collective ``seq``
         into this rank's next slot, set its flag and wake every peer; returns (the publication's
-        tick, the slot's payload as written). ``skip``: a [start, stop) range of ``data``'s bytes
-        that no peer reads, left out of the copy (the slot's bytes there are stale)."""
+        tick, the slot's payload as written). ``skip``: a [start, stop) range of ``data``'s first
+        axis that no peer reads, left out of the copy (the slot's bytes there are stale)."""
         assert self.loose is None, "a loose publication is settled first (algorithms._mailbox_sync.publish)"
         tick = self.tick
         self.tick = tick + 1
@@ -251,13 +251,13 @@ class Mailbox:
             nbytes = data.nbytes
             if nbytes > self.capacity:
                 raise ValueError(f"mailbox: {nbytes} bytes do not fit a slot of {self.capacity}")
-            if skip is not None:
-                raw = data.reshape(-1).view(np.uint8)
-                for lo, hi in ((0, skip[0]), (skip[1], nbytes)):
-                    if hi > lo:
-                        copy(payload[lo:hi], raw[lo:hi])
-            elif nbytes:
-                copy(payload[:nbytes].view(data.dtype).reshape(data.shape), data)
+            if nbytes:
+                view = payload[:nbytes].view(data.dtype).reshape(data.shape)
+                if skip is None:
+                    copy(view, data)
+                else:
+                    copy(view[:skip[0]], data[:skip[0]])
+                    copy(view[skip[1]:], data[skip[1]:])
         meta = self._meta[self.rank][slot]
         meta[0] = fingerprint
         meta[1] = nbytes
