@@ -250,6 +250,25 @@ def test_only_the_last_publisher_wakes_and_only_sleepers() -> None:
     assert boxes[1].arrived(0, 1) == (1, 7) and boxes[1].arrived(0, 0) == (0, 7)  # the other slot
 
 
+async def test_reduce_scatter_into_its_own_input_row() -> None:
+    """``out`` a view of the rank's own row of its input: ranks 0 and 1 read that row from the
+    input (fold's first or second part), ranks 2 and 3 from their slot (a later part would be
+    read after fold wrote ``out``); every rank gets numpy's answer."""
+    n, k = 4, 1000
+    comms = await ahcomm.init_inprocess(n)
+    try:
+        xs = [np.random.default_rng(r).standard_normal(n * k).astype(np.float32) for r in range(n)]
+        want = sum(x.astype(np.float64) for x in xs)
+        ins = [x.copy() for x in xs]
+        outs = await asyncio.gather(*(c.reduce_scatter(ins[r], out=ins[r][r * k:(r + 1) * k], algorithm="oneshot")
+                                      for r, c in enumerate(comms)))
+        for r in range(n):
+            assert np.shares_memory(outs[r], ins[r])
+            np.testing.assert_allclose(outs[r], want[r * k:(r + 1) * k], rtol=1e-5, atol=1e-5)
+    finally:
+        await asyncio.gather(*(c.close() for c in comms), return_exceptions=True)
+
+
 @pytest.mark.parametrize(("lo", "hi"), [(0, 10), (10, 20), (4, 12), (0, 40), (6, 6), (39, 40)])
 def test_a_publication_leaves_out_the_rows_no_peer_reads(lo: int, hi: int) -> None:
     """twoshot's own share, reduce_scatter's own row: ``skip`` leaves rows [lo, hi) of the slot as
