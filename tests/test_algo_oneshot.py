@@ -251,9 +251,10 @@ def test_only_the_last_publisher_wakes_and_only_sleepers() -> None:
 
 
 async def test_reduce_scatter_into_its_own_input_row() -> None:
-    """``out`` a view of the rank's own row of its input: ranks 0 and 1 read that row from the
-    input (fold's first or second part), ranks 2 and 3 from their slot (a later part would be
-    read after fold wrote ``out``); every rank gets numpy's answer."""
+    """``out`` a view of the rank's own row of its input (the row oneshot reads from the input,
+    not from its slot): every rank gets numpy's answer. (The API hands the algorithm a copy of
+    an input that ``out`` overlaps, so the algorithm's own guard against it, kept for callers
+    inside the package, is not reached from here.)"""
     n, k = 4, 1000
     comms = await ahcomm.init_inprocess(n)
     try:
