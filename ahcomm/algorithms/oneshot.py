@@ -37,7 +37,8 @@ OPS = frozenset({"all_reduce", "reduce_scatter", "all_gather", "broadcast", "bar
 
 
 def published_bytes(call: Call, size: int) -> int:
-    """Bytes a rank writes into its slot for ``call`` (the most any rank writes)."""
+    """Bytes of a rank's publication for ``call``: what its slot must hold (reduce_scatter leaves
+    its own row unwritten there, twoshot its own share: only it reads them, from its input)."""
     if call.op == "barrier":
         return 0
     if call.op == "reduce_scatter":

@@ -237,11 +237,13 @@ class Mailbox:
 
     def publish(self, seq: int, fingerprint: int, data: np.ndarray | None = None,
                 skip: tuple[int, int] | None = None) -> tuple[int, np.ndarray]:
-        """Write ``data`` (any contiguous array, or None: a header only) for collective ``seq``
-        into this rank's next slot, set its flag and wake every peer; returns (the publication's
-        tick, the slot's payload as written). ``skip``: a [start, stop) range of ``data``'s first
-        axis that no peer reads, left out of the copy (the slot's bytes there are stale)."""
+        """Write ``data`` (any array of at most ``capacity`` bytes, strided too, or None: a header
+        only) for collective ``seq`` into this rank's next slot, set its flag and wake every peer;
+        returns (the publication's tick, the slot's payload as written). ``skip``: a [start, stop)
+        range of ``data``'s first axis that no peer reads, left out of the copy (the slot's bytes
+        there are stale)."""
         assert self.loose is None, "a loose publication is settled first (algorithms._mailbox_sync.publish)"
+        assert skip is None or (data is not None and data.ndim >= 1), "skip is a range of data's first axis"
         tick = self.tick
         self.tick = tick + 1
         slot = tick & 1
