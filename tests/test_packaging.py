@@ -61,6 +61,7 @@ def test_make_demo_installs_ahcomm_without_test_extras() -> None:
 def test_private_commands_are_not_in_bench_help() -> None:
     text = bench.parser().format_help()
     assert "_calibrate" not in text and "calibrate" in text
+    assert "_tune" not in text and "--ranks" in text and "tune" in text
 
 
 @pytest.mark.parametrize("op", [o.value for o in ReduceOp])
