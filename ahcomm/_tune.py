@@ -48,13 +48,15 @@ def rank_list(text: str) -> list[int]:
 
 
 def op_list(text: str) -> list[str]:
-    """``--ops``: 'all_reduce,broadcast' (any op ahcomm-bench times)."""
+    """``--ops``: 'all_reduce,broadcast' (any op ahcomm-bench times), or 'all'."""
     from ._bench_case import OPS as BENCH_OPS
 
+    if text.strip() == "all":
+        return list(BENCH_OPS)
     ops = [part.strip() for part in text.split(",") if part.strip()]
     unknown = [op for op in ops if op not in BENCH_OPS]
     if not ops or unknown:
-        raise argparse.ArgumentTypeError(f"--ops {text!r}: choose from {', '.join(BENCH_OPS)}")
+        raise argparse.ArgumentTypeError(f"--ops {text!r}: choose from all, {', '.join(BENCH_OPS)}")
     return ops
 
 

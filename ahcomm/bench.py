@@ -434,7 +434,7 @@ def parser() -> argparse.ArgumentParser:
     tune.add_argument("--ranks", type=_tune.rank_list, default=None,
                       help="rank counts to tune for, e.g. 2,4 (default: -n)")
     tune.add_argument("--ops", dest="tune_ops", type=_tune.op_list, default=list(_tune.OPS),
-                      help=f"ops to tune (default {','.join(_tune.OPS)})")
+                      help=f"ops to tune, or 'all' (default {','.join(_tune.OPS)})")
     tune.add_argument("--rounds", type=int, default=_tune.ROUNDS,
                       help=f"interleaved rounds per size; an algorithm's time is its median (default {_tune.ROUNDS})")
     tune.add_argument("--within", type=float, default=_tune.WITHIN,

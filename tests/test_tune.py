@@ -222,10 +222,17 @@ def test_tune_measures_picks_that_the_next_job_runs(tmp_path: Path) -> None:
 @pytest.mark.parametrize(("args", "message"), [
     (["--ranks", "1"], "each rank count must be 2 or more"),
     (["--ranks", "two"], "expected rank counts such as 2,4"),
-    (["--ops", "all_reduce,allgather"], "--ops 'all_reduce,allgather': choose from"),
+    (["--ops", "all_reduce,allgather"], "--ops 'all_reduce,allgather': choose from all, all_reduce"),
     (["--rounds", "0"], "--rounds must be 1 or more"),
 ])
 def test_tune_refuses_bad_arguments_before_any_rank_starts(args: list[str], message: str, tmp_path: Path) -> None:
     done = bench("tune", *args, env={**os.environ, "AHCOMM_TUNING_FILE": str(tmp_path / "c.json")}, timeout=60)
     assert done.returncode == 2 and message in done.stderr, done.stderr
     assert not (tmp_path / "c.json").exists()
+
+
+def test_ops_all_is_every_op_the_benchmark_times() -> None:
+    from ahcomm._bench_case import OPS as BENCH_OPS
+    from ahcomm._tune import op_list
+
+    assert op_list("all") == list(BENCH_OPS) and op_list("broadcast, all_reduce") == ["broadcast", "all_reduce"]
