@@ -25,9 +25,11 @@ _TABLE: dict[tuple[str, str, bool], tuple[int, int, str]] = {
     ("oneshot", "all_gather", False): (1, 1, "owner writes its mailbox slot, every peer copies it out"),
     ("oneshot", "broadcast", False): (1, 1, "root writes its mailbox slot, every peer copies it out"),
     ("oneshot", "all_reduce", False): (1, 1, "owner writes its slot, every rank reduces all slots"),
-    ("oneshot", "reduce_scatter", False): (1, 1, "owner writes its slot, every rank reduces its block"),
-    ("twoshot", "all_reduce", False): (2, 1, "owner writes its slot, reduces its share of all slots into its "
-                                            "output and writes the share to its slot, every peer copies it out"),
+    ("oneshot", "reduce_scatter", False): (1, 1, "owner writes its peers' blocks to its slot (its own stays "
+                                                 "out), every rank reduces its block"),
+    ("twoshot", "all_reduce", False): (2, 1, "owner writes its peers' shares to its slot (its own stays out), "
+                                            "reduces its share of all slots and its input into its output and "
+                                            "writes the share to its slot, every peer copies it out"),
     ("direct", "all_gather", True): (0, 1, "every peer reads the owner's user buffer (process_vm_readv); "
                                           "addresses and completion through the mailboxes"),
     ("direct", "broadcast", True): (0, 1, "every peer reads the root's user buffer (process_vm_readv); "
