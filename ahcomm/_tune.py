@@ -22,6 +22,7 @@ import statistics
 import sys
 import tempfile
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -116,11 +117,15 @@ async def tune_rank(args: argparse.Namespace) -> None:
                            "points": points}, f)
 
 
+def _quickest(times: dict[str, float]) -> str:
+    return min(times, key=times.__getitem__)
+
+
 def fastest(point: dict[str, Any]) -> str:
     """The algorithm one (op, size) point picks: the fastest measured, unless the cost model's own
     pick was within ``MARGIN`` of it."""
     times = point["times"]
-    best = min(times, key=lambda a: times[a])
+    best = _quickest(times)
     model = times.get(point["model"])
     return str(point["model"]) if model is not None and model <= times[best] * (1 + MARGIN) else best
 
@@ -153,7 +158,7 @@ def report(result: dict[str, Any]) -> None:
         times = point["times"]
         if not times:
             continue
-        best = min(times, key=lambda a: times[a])
+        best = _quickest(times)
         model_us = times.get(point["model"], float("nan"))
         print(f" {point['op']:>15} {point['bytes']:>10} {point['model']:>9} {best:>9} {model_us:>11.1f} "
               f"{times[best]:>10.1f} {model_us / times[best]:>6.2f} {len(times):>5}  {fastest(point)}")
@@ -162,7 +167,8 @@ def report(result: dict[str, Any]) -> None:
 
 
 def tune(args: argparse.Namespace) -> None:
-    """Run a tuning job per rank count in ``args.ranks``; merge the picks into the calibration."""
+    """Run a tuning job per rank count in ``args.ranks``; merge the picks into the calibration
+    (``args.save``: into a copy of it there instead, the calibration left as it is)."""
     from .algorithms import cost as _cost
     from .run import launch
 
@@ -198,7 +204,7 @@ def tune(args: argparse.Namespace) -> None:
             found += picks_of(result)
     tuned = {(p.op, p.ranks, p.link, p.single_copy) for p in found}
     kept = tuple(p for p in model.picks if (p.op, p.ranks, p.link, p.single_copy) not in tuned)
-    path = _cost.save(replace(model, picks=kept + tuple(found)))
+    path = _cost.save(replace(model, picks=kept + tuple(found)), Path(args.save) if args.save else None)
     print(f"saved {len(found)} measured picks ({len(kept)} earlier ones kept) to {path}")
     if args.json:
         with open(args.json, "w") as f:

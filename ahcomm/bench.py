@@ -437,6 +437,9 @@ def parser() -> argparse.ArgumentParser:
                       help=f"ops to tune, or 'all' (default {','.join(_tune.OPS)})")
     tune.add_argument("--rounds", type=int, default=_tune.ROUNDS,
                       help=f"interleaved rounds per size; an algorithm's time is its median (default {_tune.ROUNDS})")
+    tune.add_argument("--save", default=None, metavar="JSON",
+                      help="write the calibration with the new picks here instead of AHCOMM_TUNING_FILE "
+                           "(or ~/.cache/ahcomm/calibration.json), which stays as it is")
     tune.add_argument("--within", type=float, default=_tune.WITHIN,
                       help="time the algorithms the cost model estimates within this factor of its cheapest "
                            f"(default {_tune.WITHIN:g})")

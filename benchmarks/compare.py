@@ -83,19 +83,14 @@ def sweep_args(a: argparse.Namespace) -> list[str]:
 def tune(a: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     """``ahcomm-bench tune`` over the sweep's ops, rank counts and sizes into a tuning file of this
     run's own (``a.ahcomm_env`` then points the ahcomm runs at it); its report, or the error."""
-    model = tmp / "tuned.json"
-    env = {**os.environ, "AHCOMM_TUNING_FILE": str(model)}
-    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "ahcomm" / "calibration.json"
-    original = Path(os.environ.get("AHCOMM_TUNING_FILE") or cache)
-    if original.is_file():  # tune on top of the user's calibration, not the defaults
-        model.write_bytes(original.read_bytes())
+    model = tmp / "tuned.json"  # the user's calibration with the new picks (``tune --save``)
     t0 = time.monotonic()
     doc = run_json([a.ahcomm_python, "-m", "ahcomm.bench", "tune", "--ranks", ",".join(map(str, a.np)),
-                    "--ops", ",".join(a.ops), *sweep_args(a), "--json", str(tmp / "tune.json")],
-                   a.timeout, tmp / "tune.log", env=env)
+                    "--ops", ",".join(a.ops), *sweep_args(a), "--save", str(model), "--json", str(tmp / "tune.json")],
+                   a.timeout, tmp / "tune.log")
     doc["seconds"] = round(time.monotonic() - t0, 1)
     if "error" not in doc:
-        a.ahcomm_env = env
+        a.ahcomm_env = {**os.environ, "AHCOMM_TUNING_FILE": str(model)}
     return doc
 
 

@@ -476,3 +476,22 @@ def test_twoshot_is_picked_only_where_it_was_measured() -> None:
     calls = [Call(op="all_reduce", seq=0, dtype=np.dtype(np.float32), count=mib << 18) for mib in (4, 8)]
     assert [sel.choose(c, topo).name for c in calls] == ["twoshot", "mesh"]
     assert REGISTRY.algorithms["twoshot"].select(calls[1], topo)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.int64, ml_dtypes.bfloat16])
+def test_fold_may_read_the_output_as_its_first_or_second_part_only(dtype: Any) -> None:
+    """What oneshot's reduce_scatter and twoshot rely on to read their own part from an input
+    that is also the output: a fold whose output is its first or second part gives the plain
+    result; a later part that is the output does not, and ``fold_may_read`` says so."""
+    from ahcomm.algorithms.base import fold, fold_may_read
+
+    parts = [np.arange(1, 9).astype(dtype) * (k + 1) ** 2 for k in range(4)]
+    want = np.zeros(8, dtype)
+    fold(np.add, [p.copy() for p in parts], want)
+    for index in range(4):
+        got = [p.copy() for p in parts]
+        out = got[index]
+        fold(np.add, got, out)
+        assert fold_may_read(index, got[index], out) == (index <= 1)
+        assert np.array_equal(out, want) == (index <= 1), index
+    assert fold_may_read(3, parts[3], np.zeros(8, dtype))  # no overlap: any part

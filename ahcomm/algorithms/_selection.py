@@ -72,17 +72,28 @@ class Selector:
         return [n for n, a in self.registry.algorithms.items() if a.select(call, topo)]
 
     def choose(self, call: Call, topo: Topology, override: str | None = None) -> Algorithm:
+        return self._decide(call, topo, override)[0]
+
+    def basis(self, call: Call, topo: Topology) -> str:
+        """What decides ``call``'s algorithm when no per-call one is given: ``"AHCOMM_ALGO"``,
+        ``"measured"`` (a pick ``ahcomm-bench tune`` measured here) or ``"cost model"``."""
+        if self._decide(call, topo, None)[1]:
+            return "AHCOMM_ALGO"
+        return "measured" if self._measured(call, topo) is not None else "cost model"
+
+    def _decide(self, call: Call, topo: Topology, override: str | None) -> tuple[Algorithm, bool]:
+        """The algorithm for ``call``, and whether a name (``override``, AHCOMM_ALGO) chose it."""
         name = override.lower() if override else self._from_env(call, topo)
         if name in hierarchical.LEVEL1 and not override and topo.servers > 1:
             # HCCL_ALGO's level1 names the algorithm between servers of a two-level collective.
             hier = hierarchical.with_level1(name)
             if hier.select(call, topo):
-                return hier
+                return hier, True
         if name is not None and not override and call.op not in self.env:
             # The all-ops form names an algorithm for what it can serve; the rest keep the rule.
             algorithm = self.registry.algorithms.get(name)
             if algorithm is not None and not algorithm.select(call, topo):
-                return self._default(call, topo)
+                return self._default(call, topo), False
         if name is not None:
             algorithm = self.registry.algorithms.get(name)
             if algorithm is None or not algorithm.select(call, topo):
@@ -92,8 +103,8 @@ class Selector:
                     f"{where}{name!r} cannot run {call.op} on this topology "
                     f"({topo.size} ranks, {topo.servers} server(s)); algorithms that can: {can}"
                 )
-            return algorithm
-        return self._default(call, topo)
+            return algorithm, True
+        return self._default(call, topo), False
 
     def _from_env(self, call: Call, topo: Topology) -> str | None:
         if not self.env:
@@ -122,18 +133,6 @@ class Selector:
             self._picks.clear()
         pick = self._picks[key] = self._cheapest(call, topo)
         return pick
-
-    def basis(self, call: Call, topo: Topology) -> str:
-        """What decides ``call``'s algorithm when no per-call one is given: ``"AHCOMM_ALGO"``,
-        ``"measured"`` (a pick ``ahcomm-bench tune`` measured here) or ``"cost model"``."""
-        name = self._from_env(call, topo)
-        if name is not None:  # as ``choose``: it decides unless its all-ops form names one that cannot run this
-            algorithm = self.registry.algorithms.get(name)
-            level1 = (name in hierarchical.LEVEL1 and topo.servers > 1
-                      and hierarchical.with_level1(name).select(call, topo))
-            if level1 or algorithm is None or algorithm.select(call, topo) or call.op in self.env:
-                return "AHCOMM_ALGO"
-        return "measured" if self._measured(call, topo) is not None else "cost model"
 
     def _measured(self, call: Call, topo: Topology) -> Algorithm | None:
         """The algorithm measured fastest here for calls like ``call``, where it can run it."""

@@ -284,6 +284,14 @@ def fold(ufunc: np.ufunc, parts: Sequence[np.ndarray], out: np.ndarray) -> None:
         ufunc(out, part, out=out)
 
 
+def fold_may_read(index: int, part: np.ndarray, out: np.ndarray) -> bool:
+    """Whether ``fold`` may take ``part`` as its part number ``index`` while it writes ``out``:
+    the first two go into its first ufunc call (numpy gives the result it would without the
+    overlap); a later one must not overlap ``out``, which fold has written by then (bounds only,
+    as cheap as a hot path wants: a part that might overlap counts as overlapping)."""
+    return index <= 1 or not np.may_share_memory(part, out)
+
+
 def split(count: int, parts: int) -> list[tuple[int, int]]:
     """``parts`` contiguous [start, stop) ranges covering ``count``, sizes differing by <= 1."""
     base, extra = divmod(count, parts)

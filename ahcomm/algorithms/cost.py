@@ -265,10 +265,11 @@ def load() -> CostModel:
     return model
 
 
-def save(model: CostModel) -> Path:
-    """Write ``model`` where ``load`` reads it. An uncalibrated model (measured picks on the
-    defaults) keeps only its picks: later defaults, and this host's cores, still apply."""
-    path = cache_path()
+def save(model: CostModel, path: Path | None = None) -> Path:
+    """Write ``model`` to ``path``, by default where ``load`` reads it. An uncalibrated model
+    (measured picks on the defaults) keeps only its picks: later defaults, and this host's cores,
+    still apply."""
+    path = path or cache_path()
     path.parent.mkdir(parents=True, exist_ok=True)
     data = model.to_dict()
     if model.source == "defaults":

@@ -25,11 +25,9 @@ lost or an abort fails the run's wake-up notify, so a waiting rank raises at onc
 
 from __future__ import annotations
 
-import numpy as np
-
 from .._memcopy import copy
 from ._mailbox_sync import arrivals, publish
-from .base import Algorithm, Call, Context, Resources, Topology, fold
+from .base import Algorithm, Call, Context, Resources, Topology, fold, fold_may_read
 from .cost import CostModel, Work, npieces
 
 STEP = 1 / 3  # a mailbox step, in link alphas (see ``OneShot.cost``)
@@ -107,10 +105,9 @@ class OneShot(Algorithm):
         seq, op = call.seq, call.op
         src, dst = ctx.src, ctx.dst
         data = None if op == "barrier" or (op == "broadcast" and r != call.root) else src
-        own: np.ndarray | None = None  # reduce_scatter: this rank's row, which only it reads
-        if op == "reduce_scatter" and (r <= 1 or not np.shares_memory(src[r], dst)):  # (as twoshot's share)
-            own = src[r]
-        tick, mine = await publish(ctx, data, skip=(r, r + 1) if own is not None else None)
+        # reduce_scatter: this rank's row, which only it reads, from its input, not a copy in its slot
+        own = op == "reduce_scatter" and fold_may_read(r, src[r], dst)
+        tick, mine = await publish(ctx, data, skip=(r, r + 1) if own else None)
         if op == "broadcast" and r != call.root:  # the root's publication is all it reads
             await arrivals(ctx, tick, (call.root,))
             box.loose = (tick, seq, ctx.fingerprint)
@@ -139,5 +136,7 @@ class OneShot(Algorithm):
         parts = [(mine if p == r else box.payload(p, tick)).view(dtype) for p in range(n)]
         if op == "reduce_scatter":  # src: (n, slice), published row by row: this rank's row of each
             k = src.shape[1]
-            parts = [own if p == r and own is not None else part[r * k:(r + 1) * k] for p, part in enumerate(parts)]
+            parts = [part[r * k:(r + 1) * k] for part in parts]
+            if own:
+                parts[r] = src[r]
         fold(ufunc, parts, dst.reshape(-1))

@@ -19,11 +19,9 @@ from __future__ import annotations
 
 import math
 
-import numpy as np
-
 from .._memcopy import copy
 from ._mailbox_sync import arrivals, publish
-from .base import Algorithm, Call, Context, Resources, Topology, fold, split
+from .base import Algorithm, Call, Context, Resources, Topology, fold, fold_may_read, split
 from .cost import CostModel, Work, npieces
 from .oneshot import STEP
 
@@ -70,13 +68,13 @@ class TwoShot(Algorithm):
         own = ctx.src.reshape(-1)[a:b]
         # Only this rank reads its share of its input: it reads it from the input, and the slot
         # goes without it, (n - 1)/n of the copy (np=2 0.5-4 MiB 12-14% faster, results/
-        # 2026-11-26-tune.md); not where ``out`` is the input and fold would read the share after
-        # writing ``out`` (a third part or later)
-        direct = r <= 1 or not np.shares_memory(own, out)
-        tick, mine = await publish(ctx, ctx.src.reshape(-1), skip=(a, b) if direct else None)
+        # 2026-11-26-tune.md); not where ``out`` is the input and fold has written it by then
+        from_input = fold_may_read(r, own, out)
+        tick, mine = await publish(ctx, ctx.src.reshape(-1), skip=(a, b) if from_input else None)
         await arrivals(ctx, tick)
-        parts = [(own if direct else mine.view(dtype)[a:b]) if p == r else box.payload(p, tick).view(dtype)[a:b]
-                 for p in range(n)]
+        parts = [(mine if p == r else box.payload(p, tick)).view(dtype)[a:b] for p in range(n)]
+        if from_input:
+            parts[r] = own
         fold(ctx.ufunc, parts, out[a:b])  # the slots hold the inputs: out may be the input (in place)
         tick, _ = await publish(ctx, out[a:b])
         await arrivals(ctx, tick)
