@@ -238,7 +238,7 @@ async def test_ahcomm_algo_routes_calls(algo_env: str, expect_puts: bool) -> Non
 async def test_algo_override_that_cannot_serve_names_alternatives() -> None:
     comms = await ahcomm.init_inprocess(2, algo="allreduce=level0:dissemination")
     try:
-        cannot = "AHCOMM_ALGO'dissemination' cannot run all_reduce.*ring, mesh"
+        cannot = "AHCOMM_ALGO's 'dissemination' cannot run all_reduce.*ring, mesh"
         with pytest.raises(ahcomm.InvalidArgument, match=cannot):
             comms[0].all_reduce(np.ones(4))
     finally:

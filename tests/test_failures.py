@@ -76,7 +76,7 @@ async def test_all_ops_algo_setting_leaves_ops_it_cannot_serve_to_the_rule() -> 
     await asyncio.wait_for(asyncio.gather(*(c.barrier() for c in comms)), 5)
     await close_all(comms)
     comms = await ahcomm.init_inprocess(2, algo="barrier=level0:ring")
-    with pytest.raises(ahcomm.InvalidArgument, match="AHCOMM_ALGO'ring' cannot run barrier.*dissemination"):
+    with pytest.raises(ahcomm.InvalidArgument, match="AHCOMM_ALGO's 'ring' cannot run barrier.*dissemination"):
         comms[0].barrier()
     await close_all(comms)
 

@@ -304,3 +304,17 @@ def test_model_round_trip_and_old_calibrations(tmp_path: Path, monkeypatch: pyte
     assert load().cores >= 1  # no file: the defaults, with this host's cores
     path.write_text(json.dumps({**model.to_dict(), "version": MODEL_VERSION}))
     assert load() == model
+
+
+def test_a_name_that_is_no_algorithm_is_called_so() -> None:
+    """A typo in AHCOMM_ALGO or algorithm= says the name is not an algorithm, in words a newcomer
+    reads (it used to run the variable and the name together: ``AHCOMM_ALGO'nosuch' cannot run``)."""
+    from ahcomm import InvalidArgument
+
+    c, t = call("all_gather", 2, 1 << 20), topo("sdma", 2)
+    with pytest.raises(InvalidArgument, match="^AHCOMM_ALGO's 'nosuch' is not an algorithm and cannot run all_gather"):
+        Selector(catalogue(), "allgather=level0:nosuch").choose(c, t)
+    with pytest.raises(InvalidArgument, match="^per-call algorithm='nosuch' is not an algorithm and cannot run"):
+        Selector(catalogue()).choose(c, t, override="nosuch")
+    with pytest.raises(InvalidArgument, match="^AHCOMM_ALGO's 'pairwise' cannot run all_gather .*can: ring"):
+        Selector(catalogue(), "allgather=level0:pairwise").choose(c, t)

@@ -97,10 +97,11 @@ class Selector:
         if name is not None:
             algorithm = self.registry.algorithms.get(name)
             if algorithm is None or not algorithm.select(call, topo):
-                where = "per-call algorithm=" if override else "AHCOMM_ALGO"
+                where = f"per-call algorithm={name!r}" if override else f"AHCOMM_ALGO's {name!r}"
+                what = "is not an algorithm and" if algorithm is None else ""
                 can = ", ".join(self.candidates(call, topo)) or "none"
                 raise InvalidArgument(
-                    f"{where}{name!r} cannot run {call.op} on this topology "
+                    f"{where} {what}{' ' if what else ''}cannot run {call.op} on this topology "
                     f"({topo.size} ranks, {topo.servers} server(s)); algorithms that can: {can}"
                 )
             return algorithm, True
