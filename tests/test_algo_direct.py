@@ -97,6 +97,7 @@ async def test_large_calls_are_copied_in_chunks_on_threads(size: int, rng: np.ra
     monkeypatch.setattr(direct, "CHUNK_BYTES", 64 << 10)
     monkeypatch.setattr(direct, "INLINE_BYTES", 1)
     monkeypatch.setattr(direct, "_cores", lambda: 2 * size)
+    monkeypatch.setattr(direct, "_cache", lambda: 0)  # unknown: interleaved chunks
     lanes: list[int] = []
     spans: list[int] = []
     real_pool = direct._pool
@@ -131,6 +132,47 @@ def test_chunks_interleave_the_moves() -> None:
     assert made == [("local", 0, 64), ("p1", 0, 64), ("p2", 0, 64),
                     ("local", 64, 128), ("p1", 64, 128), ("p2", 64, 70),
                     ("local", 128, 150), ("p1", 128, 150)]
+
+
+def test_rows_go_whole_where_the_hosts_data_fits_the_cache(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the host's inputs and outputs fit its last-level cache, each row is one piece per
+    lane (whole rows on one lane); beyond the cache, or where its size is unknown, ``CHUNK_BYTES``."""
+    monkeypatch.setattr(direct, "CHUNK_BYTES", 64)
+    monkeypatch.setattr(direct, "_cache", lambda: 1000)
+    assert direct.chunk_bytes(1000, 150, 1) == 150
+    assert direct.chunk_bytes(1000, 150, 2) == 75
+    assert direct.chunk_bytes(1000, 100, 4) == 64  # never below CHUNK_BYTES
+    assert direct.chunk_bytes(1001, 150, 1) == 64
+    monkeypatch.setattr(direct, "_cache", lambda: 0)
+    assert direct.chunk_bytes(10, 150, 1) == 64
+
+
+@pytest.mark.parametrize("cache, pieces", [(1 << 40, 1), (0, 4)])
+async def test_a_run_reads_whole_rows_where_the_data_fits_the_cache(cache: int, pieces: int,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """A 3-rank all_gather of 200 KiB rows, 64 KiB chunks: each row is read whole where the host's
+    data fits the cache, in 4 chunks where it does not (the copies counted as they are queued)."""
+    monkeypatch.setattr(direct, "CHUNK_BYTES", 64 << 10)
+    made: list[int] = []
+    real_later = direct._Later.__call__
+
+    def later(self: direct._Later, fn: Any, *args: Any, **kwargs: Any) -> None:
+        made.append(args[0].nbytes)
+        real_later(self, fn, *args, **kwargs)
+
+    monkeypatch.setattr(direct._Later, "__call__", later)
+    monkeypatch.setattr(direct, "_cache", lambda: cache)
+    comms = await ahcomm.init_inprocess(3)
+    try:
+        count = 200 << 8  # 200 KiB of float32
+        xs = [np.full(count, r + 1, np.float32) for r in range(3)]
+        outs = await asyncio.wait_for(asyncio.gather(*(
+            c.all_gather(xs[r], algorithm="direct") for r, c in enumerate(comms))), 10)
+        for out in outs:
+            np.testing.assert_array_equal(out, np.repeat([1, 2, 3], count).astype(np.float32))
+        assert len(made) == 3 * 3 * pieces, made  # 3 ranks, 3 rows each
+    finally:
+        await asyncio.gather(*(c.close() for c in comms), return_exceptions=True)
 
 
 @pytest.mark.parametrize("size", [2, 3, 5])

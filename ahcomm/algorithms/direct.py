@@ -11,11 +11,12 @@ A run is two mailbox publications (``transports.mailbox``, as ``oneshot`` uses t
    header), and waits until every peer's publication is there (the fingerprints checked);
 2. each receiver reads what it needs. broadcast: the root's vector, in slices on up to two
    threads where the host's cores allow (ctypes releases the GIL). all_gather: its own
-   block's local copy and every peer's block, interleaved chunk by chunk (``CHUNK_BYTES``),
-   every rank in the same order, so that a block's chunk is still in the cache when the
-   others read it; where the host's ranks outnumber its cores, the copy loop yields its core
-   after each chunk. A rank's copies below ``INLINE_BYTES`` (16 MiB) run inline on the event
-   loop's thread;
+   block's local copy and every peer's block, whole rows where the host's inputs and outputs
+   fit its last-level cache (split among the lanes), else interleaved chunk by chunk
+   (``CHUNK_BYTES``), every rank in the same order, so that a block's chunk is still in the
+   cache when the others read it (``chunk_bytes``); where the host's ranks outnumber its
+   cores, the copy loop yields its core after each chunk. A rank's copies below
+   ``INLINE_BYTES`` (16 MiB) run inline on the event loop's thread;
 3. every rank publishes "done" and waits for every peer's: no rank returns, and so reuses
    or frees the buffer its peers read, before every reader has finished.
 
@@ -45,6 +46,7 @@ from typing import Any
 
 import numpy as np
 
+from .._config import last_level_cache
 from .._config import usable_cores as _cores  # a name tests replace
 from .._memcopy import copy
 from ..transports.base import DataLink
@@ -62,6 +64,9 @@ OPS = frozenset({"broadcast", "all_gather"})
 # CPU ms per rank): np=4 32 MiB 4.3-4.9 in 512 KiB chunks, 4.0-4.4 in 2 MiB; np=2 32 MiB 4.2-4.4
 # against 3.1-4.2; 1-4 MiB level (results/2026-11-26-aligned-copies.md). (The 512 KiB of
 # results/2026-11-25-bw3.md was chosen on inputs that may have been the kernel's zero page.)
+# Only where the host's data does not fit its last-level cache (``chunk_bytes``): with 480 MiB of
+# it (the Intel VM) whole rows were 6-30% faster at every size, 16-64 MiB, np=2 and np=4
+# (results/2026-11-27-direct-rows.md); the interleaving's gain was measured with 32 MiB (EPYC).
 CHUNK_BYTES = 2 << 20
 # A lone move (a broadcast reader's read, a root's copy) has nothing to interleave: it goes in
 # slices of at most this, split among the lanes. Measured at 64 MiB, np=2, load 1-2: slices of
@@ -109,6 +114,22 @@ def threads(call: Call, topo: Topology, cores: int = 0, most: int = 0) -> int:
     if call.op == "all_gather":
         return max(1, min(most, cores // max(1, topo.size)))
     return max(1, min(most, 4 * cores // max(1, topo.size - 1)))  # broadcast: n - 1 readers
+
+
+_cache = functools.cache(last_level_cache)  # bytes of this host's last-level cache (0: unknown); tests replace it
+
+
+def chunk_bytes(footprint: int, largest: int, lanes: int) -> int:
+    """The piece in which a run of several moves (all_gather) copies each: ``CHUNK_BYTES``, to
+    interleave the moves (``_chunks``) where ``footprint``, the bytes of the host's inputs and
+    outputs, exceeds its last-level cache (or the cache is unknown); else whole rows, each cut
+    in ``lanes`` pieces at most (one span of them per lane): the peers read a block that is
+    still in the cache anyway, and a read of a whole row costs one kernel call, not one per
+    chunk."""
+    cache = _cache()
+    if cache <= 0 or footprint > cache:
+        return CHUNK_BYTES
+    return max(CHUNK_BYTES, -(-largest // max(1, lanes)))
 
 
 def oversubscribed(topo: Topology) -> bool:
@@ -190,7 +211,8 @@ class Direct(Algorithm):
         else:  # dst: (n, count), rows contiguous; peers in turn from the next rank on (not all at rank 0 first)
             for p in ((r + k) % n for k in range(1, n)):
                 moves.append(_reading(ctx.links[p], dst[p], int(box.payload(p, tick).view(np.int64)[0])))
-        await _copy_all(moves, threads(call, ctx.topo), oversubscribed(ctx.topo))
+        footprint = n * (src.nbytes + dst.nbytes)  # the host's inputs and outputs (direct runs on one host)
+        await _copy_all(moves, threads(call, ctx.topo), oversubscribed(ctx.topo), footprint)
         tick, _ = box.publish(call.seq, ctx.fingerprint)  # done reading: the owners may go on (nothing loose)
         # A broadcast's root waits here for the whole read: sleeping at once keeps its spin for short waits
         await sync.arrivals(ctx, tick, may_spin=call.op != "broadcast" or r != root)
@@ -251,9 +273,10 @@ def _run(chunks: list[list[Callable[[], Any]]], stop: threading.Event | None, yi
             os.sched_yield()
 
 
-async def _copy_all(moves: list[Move], lanes: int, yields: bool) -> None:
-    """Make every move in chunks of ``CHUNK_BYTES`` (``_chunks``; a lone move in slices of up to
-    ``SLICE_BYTES``, one per lane): inline if small, else on
+async def _copy_all(moves: list[Move], lanes: int, yields: bool, footprint: int = 0) -> None:
+    """Make every move in chunks of ``chunk_bytes`` (``_chunks``; ``footprint``: the host's
+    inputs' and outputs' bytes; a lone move in slices of up to ``SLICE_BYTES``, one per lane):
+    inline if small, else on
     ``lanes`` threads, each a contiguous span of the chunks; waits for every lane (none still
     writes once this returns).
 
@@ -266,7 +289,7 @@ async def _copy_all(moves: list[Move], lanes: int, yields: bool) -> None:
     total = sum(nbytes for nbytes, _ in moves)
     inline = total < INLINE_BYTES
     if len(moves) > 1:
-        chunk = CHUNK_BYTES
+        chunk = chunk_bytes(footprint, max(nbytes for nbytes, _ in moves), 1 if inline else lanes)
     else:  # a lone move: one piece inline, else a slice per lane
         chunk = max(1, total) if inline else max(MIN_SLICE, min(SLICE_BYTES, -(-total // lanes)))
     chunks = _chunks(moves, chunk)
