@@ -66,7 +66,7 @@ OPS = frozenset({"broadcast", "all_gather"})
 # results/2026-11-25-bw3.md was chosen on inputs that may have been the kernel's zero page.)
 # Only where the host's data does not fit its last-level cache (``chunk_bytes``): with 480 MiB of
 # it (the Intel VM) whole rows were 6-30% faster at every size, 16-64 MiB, np=2 and np=4
-# (results/2026-11-27-direct-rows.md); the interleaving's gain was measured with 32 MiB (EPYC).
+# (results/2026-11-26-direct-rows.md); the interleaving's gain was measured with 32 MiB (EPYC).
 CHUNK_BYTES = 2 << 20
 # A lone move (a broadcast reader's read, a root's copy) has nothing to interleave: it goes in
 # slices of at most this, split among the lanes. Measured at 64 MiB, np=2, load 1-2: slices of
