@@ -21,6 +21,7 @@ import pytest
 
 import ahcomm
 from ahcomm._memcopy import non_temporal
+from ahcomm._stream import ENGINE_THRESHOLD, NO_ENGINE
 from ahcomm.algorithms import direct
 from ahcomm.algorithms.base import Call, Topology
 from ahcomm.algorithms.copies import copies
@@ -171,6 +172,30 @@ async def test_a_run_reads_whole_rows_where_the_data_fits_the_cache(cache: int, 
         for out in outs:
             np.testing.assert_array_equal(out, np.repeat([1, 2, 3], count).astype(np.float32))
         assert len(made) == 3 * 3 * pieces, made  # 3 ranks, 3 rows each
+    finally:
+        await asyncio.gather(*(c.close() for c in comms), return_exceptions=True)
+
+
+@pytest.mark.parametrize("spare", [False, True])
+async def test_one_lane_copies_inline_where_the_host_has_no_core_to_spare(spare: bool,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """A 2-rank all_gather above ``INLINE_BYTES`` on one lane (2 cores): its copies stay on the
+    event loop where the ranks fill the cores (as the streams' copies do), and go to a copy
+    thread where a core is spare (``AHCOMM_COPY_ENGINE`` as the streams read it)."""
+    monkeypatch.setattr(direct, "INLINE_BYTES", 1)
+    monkeypatch.setattr(direct, "_cores", lambda: 2)
+    monkeypatch.setattr(direct, "engine_bytes_for", lambda n: ENGINE_THRESHOLD if spare else NO_ENGINE)
+    pools: list[int] = []
+    real_pool = direct._pool
+    monkeypatch.setattr(direct, "_pool", lambda n: pools.append(n) or real_pool(n))
+    comms = await ahcomm.init_inprocess(2)
+    try:
+        xs = [np.full(1 << 16, r + 1, np.float32) for r in range(2)]
+        outs = await asyncio.wait_for(asyncio.gather(*(
+            c.all_gather(xs[r], algorithm="direct") for r, c in enumerate(comms))), 10)
+        for out in outs:
+            np.testing.assert_array_equal(out, np.repeat([1, 2], 1 << 16).astype(np.float32))
+        assert pools == ([1, 1] if spare else []), pools
     finally:
         await asyncio.gather(*(c.close() for c in comms), return_exceptions=True)
 

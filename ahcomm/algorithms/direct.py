@@ -16,7 +16,8 @@ A run is two mailbox publications (``transports.mailbox``, as ``oneshot`` uses t
    (``CHUNK_BYTES``), every rank in the same order, so that a block's chunk is still in the
    cache when the others read it (``chunk_bytes``); where the host's ranks outnumber its
    cores, the copy loop yields its core after each chunk. A rank's copies below
-   ``INLINE_BYTES`` (16 MiB) run inline on the event loop's thread;
+   ``INLINE_BYTES`` (16 MiB) run inline on the event loop's thread, and all of them where
+   it copies on one lane and its host has no core to spare (as the streams' copies do);
 3. every rank publishes "done" and waits for every peer's: no rank returns, and so reuses
    or frees the buffer its peers read, before every reader has finished.
 
@@ -49,6 +50,7 @@ import numpy as np
 from .._config import last_level_cache
 from .._config import usable_cores as _cores  # a name tests replace
 from .._memcopy import copy
+from .._stream import NO_ENGINE, engine_bytes_for
 from ..transports.base import DataLink
 from . import _mailbox_sync as sync
 from .base import Algorithm, Call, Context, Resources, Topology
@@ -79,6 +81,10 @@ MIN_SLICE = 512 << 10  # a lone move is not cut below this to feed a second thre
 # 2 MiB inline 410-533 vs two threads 660-1294 (one thread 935), 4 MiB 567 vs 968 (one: 526),
 # 8 MiB 1050 vs 1262; 16 MiB threads ahead (1241 vs 1404), 64 MiB too (5479 vs 6699); all_gather
 # 2 MiB 162 vs 511, np=4 1591 vs 2989 (results/2026-11-25-bw2.md).
+# Above it too where a rank copies on one lane and its host has no core to spare (``on_loop``):
+# there a thread only adds hand-offs (np=2 all_gather 16 / 32 / 64 MiB 1432 / 2814 / 7476 us on a
+# thread, 1355 / 2663 / 7271 inline; np=4 3517 / 8296 / 18303 and 3240 / 7897 / 17867; 7
+# interleaved rounds, results/2026-11-26-direct-rows.md).
 INLINE_BYTES = 16 << 20
 # Per-rank bytes up to which the selector leaves an op to the others (oneshot's slots): a 2 MiB
 # copy through the kernel (4 KiB pages) takes 160-210 us, two in-cache copies through 1 MiB slots
@@ -132,6 +138,12 @@ def chunk_bytes(footprint: int, largest: int, lanes: int) -> int:
     return max(CHUNK_BYTES, -(-largest // max(1, lanes)))
 
 
+def on_loop(topo: Topology, lanes: int) -> bool:
+    """Whether a rank's copies run inline whatever their size: one lane, and a host whose ranks
+    leave no core to spare (``AHCOMM_COPY_ENGINE`` as for the streams: ``engine_bytes_for``)."""
+    return lanes <= 1 and engine_bytes_for(topo.size) == NO_ENGINE
+
+
 def oversubscribed(topo: Topology) -> bool:
     """Whether the host's ranks outnumber this process's cores (direct runs on one host only)."""
     return topo.size > _cores()
@@ -178,11 +190,13 @@ class Direct(Algorithm):
         publishes), all_gather ``n m`` by each rank (its block into its own output and every
         peer's); every byte read out of a peer pays the kernel's page pinning (``Work.pinned``);
         copies of at least ``INLINE_BYTES`` are handed to threads (one engine hand-off), spread
-        over ``threads`` of them."""
+        over ``threads`` of them, except on one lane where the model's host has no core to spare
+        (``on_loop``)."""
         busy = topo.size - 1 if call.op == "broadcast" else None
+        lanes = threads(call, topo, model.cores or 1, THREADS)
+        handed = whole >= INLINE_BYTES and (lanes > 1 or model.engines_on(topo))
         return Work(rounds=2 * STEP, copied=whole, pinned=whole if call.op == "broadcast" else whole - block,
-                    engines=1 if whole >= INLINE_BYTES else 0, busy=busy,
-                    streams=threads(call, topo, model.cores or 1, THREADS), threads=True)
+                    engines=1 if handed else 0, busy=busy, streams=lanes, threads=True)
 
     async def orchestrate(self, ctx: Context) -> None:
         if not ctx.topo.single_copy:
@@ -212,7 +226,8 @@ class Direct(Algorithm):
             for p in ((r + k) % n for k in range(1, n)):
                 moves.append(_reading(ctx.links[p], dst[p], int(box.payload(p, tick).view(np.int64)[0])))
         footprint = n * (src.nbytes + dst.nbytes)  # the host's inputs and outputs (direct runs on one host)
-        await _copy_all(moves, threads(call, ctx.topo), oversubscribed(ctx.topo), footprint)
+        lanes = threads(call, ctx.topo)
+        await _copy_all(moves, lanes, oversubscribed(ctx.topo), footprint, on_loop(ctx.topo, lanes))
         tick, _ = box.publish(call.seq, ctx.fingerprint)  # done reading: the owners may go on (nothing loose)
         # A broadcast's root waits here for the whole read: sleeping at once keeps its spin for short waits
         await sync.arrivals(ctx, tick, may_spin=call.op != "broadcast" or r != root)
@@ -273,12 +288,11 @@ def _run(chunks: list[list[Callable[[], Any]]], stop: threading.Event | None, yi
             os.sched_yield()
 
 
-async def _copy_all(moves: list[Move], lanes: int, yields: bool, footprint: int = 0) -> None:
+async def _copy_all(moves: list[Move], lanes: int, yields: bool, footprint: int = 0, inline: bool = False) -> None:
     """Make every move in chunks of ``chunk_bytes`` (``_chunks``; ``footprint``: the host's
     inputs' and outputs' bytes; a lone move in slices of up to ``SLICE_BYTES``, one per lane):
-    inline if small, else on
-    ``lanes`` threads, each a contiguous span of the chunks; waits for every lane (none still
-    writes once this returns).
+    inline if small or ``inline`` (``on_loop``), else on ``lanes`` threads, each a contiguous
+    span of the chunks; waits for every lane (none still writes once this returns).
 
     ``yields`` (the host's ranks outnumber its cores): give the core away after every chunk.
     Without it the scheduler runs a rank's whole copy (8 ms at 64 MiB) in one slice while others
@@ -287,7 +301,7 @@ async def _copy_all(moves: list[Move], lanes: int, yields: bool, footprint: int 
     each chunk, 12-13.7 ms of wall for every rank, 15.2 ms a call (after every second chunk 20.4,
     every fourth 26.3)."""
     total = sum(nbytes for nbytes, _ in moves)
-    inline = total < INLINE_BYTES
+    inline = inline or total < INLINE_BYTES
     if len(moves) > 1:
         chunk = chunk_bytes(footprint, max(nbytes for nbytes, _ in moves), 1 if inline else lanes)
     else:  # a lone move: one piece inline, else a slice per lane
