@@ -43,6 +43,7 @@ from .algorithms.cost import CostModel
 from .algorithms.cost import load as load_cost_model
 from .transports._auth import Credentials
 from .transports._host_mailbox import HostMailbox
+from .transports._notify_ring import MAX_RINGS
 from .transports._zmq import Channel
 from .transports.base import Link, Signal
 from .transports.inproc import InprocWorld
@@ -121,8 +122,9 @@ async def create(config: Config | None = None, *, rank: int | None = None, world
         if size > 1:
             try:
                 tcp_host = cfg.if_ip or _interface(cfg) or local_address(cfg.master_addr)
+                rings = min(size, cfg.local_world_size or size, MAX_RINGS) if shared else 0  # one per rank of the host
                 channel = Channel(rank, buffers, ipc=shared, tcp_host=tcp_host, creds=creds, heartbeat=cfg.heartbeat,
-                                  max_message=cfg.max_message)
+                                  max_message=cfg.max_message, notify_rings=rings)
                 mbox = _host_mailbox(rank) if shared else None
             except Exception as exc:
                 await _abandon(rank, size, port, cfg, creds, store, host, exc)
@@ -133,6 +135,7 @@ async def create(config: Config | None = None, *, rank: int | None = None, world
                 "buffsize": buffers.nbytes, "pid": os.getpid(),
                 "probe": int(buffers.ccl_in.array.ctypes.data),  # lets same-host peers test single-copy reads
                 "mailbox": mbox.describe() if mbox is not None else None,
+                "notify": channel.notify_description(),  # this rank's shared-memory inbox for notifies
             }
             if rank == 0:  # every rank selects algorithms with rank 0's cost model
                 info["tuning"] = cost_model.to_dict()
@@ -147,6 +150,7 @@ async def create(config: Config | None = None, *, rank: int | None = None, world
             channel.start()
             await _handshake(rank, links, cfg.connect_timeout)
             buffers.unlink()  # every peer has mapped our buffers: no name left to leak
+            channel.unlink()  # and opened our inbox
             if mbox is not None:
                 mbox.unlink()
             hosts = tuple(e["host"] for e in table)
@@ -290,6 +294,7 @@ class Peer:
     cfg: Config
     channel: Channel
     progress: Progress
+    notify_ring: int = -1  # this rank's place among its host's ranks (its ring in their inboxes)
 
     @property
     def peer(self) -> int:
@@ -314,7 +319,7 @@ def _open_sdma(p: Peer) -> Link:
     shm_in, shm_out = p.entry["shm"]
     return SdmaLink(p.rank, p.peer, p.channel, p.entry["endpoints"]["ipc"], shm_in, shm_out,
                     int(p.entry["buffsize"]), p.progress.reached, int(p.entry.get("pid", 0)),
-                    int(p.entry.get("probe", 0)))
+                    int(p.entry.get("probe", 0)), notify=p.entry.get("notify"), notify_ring=p.notify_ring)
 
 
 def _open_rdma(p: Peer) -> Link:
@@ -331,6 +336,8 @@ def _connect(rank: int, table: list[dict[str, Any]], channel: Channel, cfg: Conf
              progress: Progress) -> dict[int, Link]:
     """One link per peer, each by the first entry of ``TRANSPORTS`` that can connect it."""
     links: dict[int, Link] = {}
+    here = sorted(int(e["rank"]) for e in table if e["host"] == host)  # ring i of an inbox: here[i]'s posts
+    channel.bind_notifies(here)
     for entry in table:
         peer = int(entry["rank"])
         if peer == rank:
@@ -338,7 +345,7 @@ def _connect(rank: int, table: list[dict[str, Any]], channel: Channel, cfg: Conf
         same_host = entry["host"] == host
         if cfg.transport == "sdma" and not same_host:
             raise ConfigError(f"AHCOMM_TRANSPORT=sdma but rank {peer} is on another host ({entry['host']})")
-        reach = Peer(rank, entry, same_host, cfg, channel, progress)
+        reach = Peer(rank, entry, same_host, cfg, channel, progress, here.index(rank) if rank in here else -1)
         transport = next((t for t in TRANSPORTS if t.can_connect(reach)), None)
         if transport is None:
             tried = ", ".join(t.name for t in TRANSPORTS)

@@ -171,6 +171,7 @@ class Config:
         env = os.environ if env is None else env
         buff_mb = _float(env, "AHCOMM_BUFFSIZE", 64.0)
         _flag(env, "AHCOMM_NT_STORES", True)  # read by _memcopy at the first large call: named here, at init
+        _flag(env, "AHCOMM_SHM_NOTIFY", True)  # read by the link endpoint (transports._notify_ring.usable)
         transport = env.get("AHCOMM_TRANSPORT", "auto").strip().lower() or "auto"
         if transport not in ("auto", "sdma", "rdma"):
             raise ConfigError(f"AHCOMM_TRANSPORT={transport!r}: expected auto, sdma or rdma")

@@ -7,7 +7,11 @@ completes, no peer will touch this rank's buffers again (a collective returns on
 puts have landed). Every rank then learns the same verdict: if any rank has busy groups, all
 refuse alike. Otherwise each rank, on its own, drops the executor's views of its buffers,
 unmaps its peers' buffers (sdma links' mappings), closes its own (their names were unlinked
-at creation: the memory goes when the last mapping does) and its host mailbox.
+at creation: the memory goes when the last mapping does) and its host mailbox. Its notifies
+go over the connections from the verdict on (``Link.stop_shared_notifies``), and a
+communicator that owns its connections closes its notify inbox once the verdict is in (every
+peer's earlier records handed on first); resume makes a new inbox, described with the new
+buffers, and the first post through it follows resume's last round.
 
 The connections stay up: the transport still watches every peer, so a peer lost meanwhile
 fails the communicator (``PeerFailure``) as at any other time, and ``resume`` raises it.
@@ -146,6 +150,8 @@ def stats(comm: Suspendable) -> dict[str, Any]:
 async def suspend(comm: Suspendable, timeout: float | None) -> None:
     comm._check_open("suspend")  # closed, failed, or suspended already: raises
     busy = any(not child._closed and not child._suspended for child in comm._children)
+    for link in comm._executor.links.values():  # the verdict's posts, and every later one, over the connections
+        link.stop_shared_notifies()
     verdict = comm.all_gather(np.array([busy], np.uint8), timeout=timeout)  # behind every earlier call
     comm._suspended = True  # calls made from now on raise
     try:
@@ -188,6 +194,9 @@ def _conclude(comm: Suspendable, flags: np.ndarray) -> None:
     unmapped = sum(link.unmap_peer_buffers() for link in executor.links.values())
     state.shared, state.nbytes = executor.buffers.in_shared_memory, executor.buffers.nbytes
     released = executor.buffers.release()
+    # every peer posted the verdict over its connection, after any notify it put in this rank's
+    # inbox: those are handed on, and the inbox goes (a communicator that owns its connections)
+    released += sum(link.release_shared_notifies() for link in executor.links.values())
     state.capacity = 0
     if box is not None:
         state.capacity = box.capacity
@@ -232,6 +241,8 @@ async def resume(comm: Suspendable, timeout: float | None) -> None:
     fresh, box, problem = _make(comm, state)
     if fresh is not None:
         executor.buffers.adopt(fresh)  # peers' puts land in them from now on
+        for link in executor.links.values():  # a new notify inbox, described with the buffers
+            link.renew_shared_notifies()
     exchange = _Exchange(comm, attempt)
     try:
         async with asyncio.timeout(limit):
@@ -245,7 +256,10 @@ async def resume(comm: Suspendable, timeout: float | None) -> None:
     except BaseException as exc:
         for link in executor.links.values():
             link.unmap_peer_buffers()
+            link.stop_shared_notifies()
         executor.buffers.release()
+        for link in executor.links.values():  # nobody posts through it: the resume failed on every rank
+            link.release_shared_notifies()
         if box is not None:
             box.close()
         if isinstance(exc, TimeoutError):  # the ranks are out of step now: the communicator fails on every rank

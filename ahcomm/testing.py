@@ -90,9 +90,10 @@ class LocalLinks:
 
 
 async def local_links(size: int, *, transport: str = "inproc", buffsize: int = 1 << 16,
-                      timeout: float = 30.0) -> LocalLinks:
+                      timeout: float = 30.0, shm_notify: bool = True) -> LocalLinks:
     """Links between ``size`` ranks in this event loop over ``transport`` (one of ``TRANSPORTS``),
-    made as ``ahcomm.init`` makes them (``_bootstrap``'s transport table and handshake) and up."""
+    made as ``ahcomm.init`` makes them (``_bootstrap``'s transport table and handshake) and up.
+    ``shm_notify=False``: sdma notifies over ZeroMQ only (no shared-memory inboxes)."""
     if transport not in TRANSPORTS:
         raise ValueError(f"transport {transport!r}: expected one of {', '.join(TRANSPORTS)}")
     progress = [Progress(r, size) for r in range(size)]
@@ -109,10 +110,12 @@ async def local_links(size: int, *, transport: str = "inproc", buffsize: int = 1
     channels: list[Channel] = []
     try:
         for r in range(size):
-            channels.append(Channel(r, buffers[r], ipc=shared, tcp_host="127.0.0.1", creds=creds))
+            channels.append(Channel(r, buffers[r], ipc=shared, tcp_host="127.0.0.1", creds=creds,
+                                    notify_rings=size if shared and shm_notify else 0))
         table = [{"rank": r, "host": "local", "endpoints": channels[r].endpoints, "pid": os.getpid(),
                   "shm": [buffers[r].ccl_in.name, buffers[r].ccl_out.name] if shared else None,
-                  "buffsize": buffsize, "probe": int(buffers[r].ccl_in.array.ctypes.data)} for r in range(size)]
+                  "buffsize": buffsize, "probe": int(buffers[r].ccl_in.array.ctypes.data),
+                  "notify": channels[r].notify_description()} for r in range(size)]
         links = [_bootstrap._connect(r, table, channels[r], cfg, "local", progress[r]) for r in range(size)]
         for channel in channels:
             channel.start()
@@ -125,6 +128,8 @@ async def local_links(size: int, *, transport: str = "inproc", buffsize: int = 1
         raise
     for b in buffers:
         b.unlink()
+    for channel in channels:
+        channel.unlink()
     single = cfg.single_copy and all(link.single_copy for ls in links for link in ls.values())
     return LocalLinks(links, buffers, progress, channels, single)
 

@@ -24,7 +24,9 @@ from ahcomm.transports.base import EAGER_BYTES, MAX_CONTROL, Link, Signal
 
 from support.sizes import LINK_SIZES
 
-pytestmark = pytest.mark.parametrize("transport", TRANSPORTS)
+# sdma twice: notifies through the peers' shared-memory inboxes (as init makes them), and over
+# ZeroMQ alone (a host without inboxes, or a ring that filled up)
+pytestmark = pytest.mark.parametrize("transport", [*TRANSPORTS, "sdma-zeromq"])
 
 
 def _run(fn, *args):  # type: ignore[no-untyped-def]
@@ -34,7 +36,8 @@ def _run(fn, *args):  # type: ignore[no-untyped-def]
 
 @pytest.fixture
 async def pair(transport: str) -> AsyncIterator[LocalLinks]:
-    made = await local_links(2, transport=transport, buffsize=max(LINK_SIZES) + 4096)
+    kind, _, notify = transport.partition("-")
+    made = await local_links(2, transport=kind, buffsize=max(LINK_SIZES) + 4096, shm_notify=notify != "zeromq")
     try:
         yield made
     finally:
@@ -57,7 +60,7 @@ async def settle(link: Link, signal: Signal, index: int, seq: int) -> None:
 
 async def test_kind_and_table(pair: LocalLinks, transport: str) -> None:
     a, b = ends(pair)
-    assert a.kind == b.kind == transport and a.peer == 1 and b.peer == 0
+    assert a.kind == b.kind == transport.partition("-")[0] and a.peer == 1 and b.peer == 0
     assert [t.name for t in _bootstrap.TRANSPORTS] == ["sdma", "rdma"]  # tried in this order
 
 

@@ -49,8 +49,10 @@ import numpy as np
 import zmq
 
 from .._buffers import CclBuffers
-from .._errors import ConnectError, PeerFailure, TransportError
+from .._errors import ConfigError, ConnectError, PeerFailure, TransportError
 from ._auth import AUTH, HANDSHAKE_FAILED, Credentials, context
+from ._notify_ring import Inbox
+from ._notify_ring import usable as shm_notify_usable
 from ._wire import (
     COPY_THRESHOLD,
     DEALER_EVENTS,
@@ -110,8 +112,14 @@ class Channel:
 
     def __init__(self, rank: int, buffers: CclBuffers, *, ipc: bool = True, tcp_host: str | None = None,
                  creds: Credentials | None = None, heartbeat: float = 0.0,
-                 max_message: int = DEFAULT_MAX_MESSAGE) -> None:
+                 max_message: int = DEFAULT_MAX_MESSAGE, notify_rings: int = 0) -> None:
         self.rank = rank
+        # notifies from the ranks of this host through shared memory (``_notify_ring``): a ring per
+        # rank of the host (``notify_rings``; ``bind_notifies`` says whose), where ipc is on and the host allows it
+        self.inbox: Inbox | None = None
+        self._rings = notify_rings if ipc and notify_rings > 1 and shm_notify_usable() else 0
+        self._host_ranks: list[int] = []
+        self._make_inbox()
         self.buffers = buffers
         self.creds = creds or Credentials("null")
         self.heartbeat = heartbeat
@@ -143,7 +151,54 @@ class Channel:
             self._monitor.stop()
             self.router.close(0)
             AUTH.unregister(self.domain)
+            if self.inbox is not None:
+                self.inbox.close()
             raise TransportError(f"rank {rank}: cannot bind its link endpoint: {exc}") from exc
+
+    def _make_inbox(self) -> None:
+        if not self._rings:
+            return
+        try:
+            self.inbox = Inbox(self.rank, self._rings)
+        except (OSError, TransportError, ConfigError) as exc:  # a full or missing /dev/shm: ZeroMQ carries them
+            log.warning("rank %d: notifies go through ZeroMQ only: no shared-memory inbox (%s)", self.rank, exc)
+            return
+        if self._host_ranks:
+            self.inbox.senders = self._host_ranks[:self._rings]
+
+    def bind_notifies(self, host_ranks: list[int]) -> None:
+        """The wire ranks of this host in rank order: ring i of the inbox carries the i-th's posts."""
+        self._host_ranks = list(host_ranks)
+        if self.inbox is not None:
+            self.inbox.senders = self._host_ranks[:self.inbox.rings]
+
+    def renew_notifies(self) -> None:
+        """A new inbox where ``release_notifies`` closed the last (``Comm.resume``), read at once."""
+        if self.inbox is not None or self.closing:
+            return
+        self._make_inbox()
+        if self.inbox is not None and self._loop is not None:
+            self.inbox.start(self._loop, self._on_notify)
+
+    def release_notifies(self) -> int:
+        """Hand on every notify the inbox holds, then close it (every peer posts over ZeroMQ by now:
+        ``Link.release_shared_notifies``); its bytes, or 0 where there is none any more."""
+        inbox, self.inbox = self.inbox, None
+        if inbox is None:
+            return 0
+        inbox.drain(self._on_notify)
+        nbytes = inbox.region.nbytes
+        inbox.close()
+        return nbytes
+
+    def notify_description(self) -> dict[str, Any] | None:
+        """What a peer on this host needs to post into this rank's inbox (None: no inbox)."""
+        return self.inbox.describe() if self.inbox is not None else None
+
+    def unlink(self) -> None:
+        """Remove the inbox's names (once every peer has opened them)."""
+        if self.inbox is not None:
+            self.inbox.unlink()
 
     @property
     def rejected_handshakes(self) -> int:
@@ -177,6 +232,8 @@ class Channel:
         self._monitor.start(self._loop)
         for link in list(self.links.values()):
             link.watch(self._loop)
+        if self.inbox is not None:
+            self.inbox.start(self._loop, self._on_notify)
         self._on_readable()  # messages that arrived before the reader was installed
 
     def drain(self) -> None:
@@ -184,7 +241,24 @@ class Channel:
         if self._loop is not None and not self.router.closed:
             self._on_readable()
 
+    def _on_notify(self, sender: int, domain: int, signal: int, index: int, seq: int, value: int,
+                   fingerprint: int) -> None:
+        """A notify from the inbox (``_notify_ring``), as a ZeroMQ signal message would deliver it."""
+        link = self.links.get((domain, sender))
+        if link is None:
+            if (0, sender) in self.links:  # for a sub-communicator closed here
+                self.late += 1
+            return
+        try:
+            if not 0 <= signal <= MAX_SIGNAL:
+                raise Malformed(f"unknown signal {signal}")
+            link.deliver(signal, index, seq, value, fingerprint)
+        except Exception as exc:  # noqa: BLE001 - a bad record must not kill the reader
+            self._reject(link, exc)
+
     def _on_readable(self) -> None:
+        if self.inbox is not None:  # every notify posted before a ZeroMQ message is handled before it
+            self.inbox.drain(self._on_notify)
         router, links, unpack = self.router, self.links, HEADER.unpack
         while not router.closed and router.getsockopt(zmq.EVENTS) & zmq.POLLIN:
             link = None
@@ -265,6 +339,9 @@ class Channel:
         if not self.router.closed:
             self.router.close(0)
         AUTH.unregister(self.domain)
+        if self.inbox is not None:
+            self.inbox.close()
+            self.inbox = None
 
     def stats(self) -> dict[str, int]:
         return {"rejected_messages": self.rejected, "rejected_handshakes": self.rejected_handshakes,

@@ -185,6 +185,9 @@ class Connection(Protocol):
               on_progress: ProgressHook | None) -> Link: ...
     def unmap_peer_buffers(self) -> int: ...
     def map_peer_buffers(self, peer_buffers: dict[str, Any]) -> None: ...
+    def stop_shared_notifies(self) -> None: ...
+    def release_shared_notifies(self) -> int: ...
+    def renew_shared_notifies(self) -> None: ...
     def receiver(self) -> Endpoint | None: ...
     def stats(self) -> dict[str, Any]: ...
     def fail(self, error: BaseException) -> None: ...
@@ -416,6 +419,19 @@ class Link(ABC):
 
     def map_peer_buffers(self, peer_buffers: dict[str, Any]) -> None:
         """Reach the peer's new CCL buffers, as its ``describe_buffers`` gave them (``Comm.resume``)."""
+
+    def stop_shared_notifies(self) -> None:
+        """Post every later notify over the connection itself, not through shared memory (``Comm.suspend``,
+        before its last collective: the memory is about to go); a no-op where notifies have one path."""
+
+    def release_shared_notifies(self) -> int:
+        """Once every peer posts over the connection (the last collective completed), hand on what the
+        shared-memory path still holds and release it; the bytes released (``Comm.suspend``)."""
+        return 0
+
+    def renew_shared_notifies(self) -> None:
+        """Make the shared-memory path again where ``release_shared_notifies`` took it (``Comm.resume``,
+        before ``describe_buffers``: the peers learn it with the buffers)."""
 
     # -- lifecycle ------------------------------------------------------------------------
     def close(self) -> None:

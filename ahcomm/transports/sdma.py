@@ -1,6 +1,8 @@
 """SDMA-like links between ranks on one host.
 
-Notifies travel over ZeroMQ ipc; the bytes do not: each rank's CCL_In/CCL_Out live in
+Notifies travel through the peer's shared-memory inbox where it has one (``_notify_ring``:
+a record and a byte into its FIFO), else over ZeroMQ ipc, which also carries everything else
+(eager messages, control, goodbyes); the bytes do not: each rank's CCL_In/CCL_Out live in
 POSIX shared memory that its peers map, so a put is a direct copy into the peer's
 buffer and a mesh algorithm can read or reduce straight out of it.
 """
@@ -15,8 +17,9 @@ import numpy as np
 import zmq
 
 from .._buffers import CclBuffers, SharedRegion
-from .._errors import PeerFailure, TransportError
+from .._errors import ConnectError, PeerFailure, TransportError
 from . import _cma
+from ._notify_ring import Outbox
 from ._wire import Malformed
 from ._zmq import Channel, ZmqLink
 from .base import MappedAccess, MemoryRunner, ProgressHook
@@ -27,7 +30,8 @@ class SdmaLink(MappedAccess, ZmqLink):
 
     def __init__(self, rank: int, peer: int, channel: Channel, endpoint: str, shm_in: str, shm_out: str,
                  nbytes: int, on_progress: ProgressHook | None, pid: int = 0, probe_addr: int = 0, *,
-                 parent: "SdmaLink | None" = None, domain: int = 0) -> None:
+                 parent: "SdmaLink | None" = None, domain: int = 0, notify: dict[str, Any] | None = None,
+                 notify_ring: int = -1) -> None:
         self._regions = (SharedRegion.attach(shm_in, nbytes), SharedRegion.attach(shm_out, nbytes))
         self._remote = (self._regions[0].array, self._regions[1].array)
         try:
@@ -37,13 +41,35 @@ class SdmaLink(MappedAccess, ZmqLink):
                 region.close()
             raise
         self.pid = pid
+        self._notify_ring = notify_ring  # this rank's ring in the peer's inbox (its place among the host's ranks)
+        self._outbox: Outbox | None = None  # (a connection's first link) that ring, mapped here
         if parent is not None:
             self.single_copy = parent.single_copy  # the same process: probed already
         else:
             self.single_copy = bool(pid and probe_addr and _cma.probe(pid, probe_addr))
+            self._outbox = self._open_outbox(notify)
+
+    @property
+    def outbox(self) -> Outbox | None:
+        """This rank's ring in the peer's inbox: the connection's, which its sub-communicators' links
+        share (a record carries the domain)."""
+        root = self.root
+        return root._outbox if isinstance(root, SdmaLink) else None
+
+    def _open_outbox(self, notify: Any) -> Outbox | None:
+        if not isinstance(notify, dict) or self._notify_ring < 0:
+            return None
+        try:
+            return Outbox(notify, self._notify_ring)
+        except (OSError, ValueError, KeyError, TypeError, ConnectError, TransportError):  # ZeroMQ carries them
+            return None
 
     def describe_buffers(self, buffers: CclBuffers) -> dict[str, Any]:
-        return {"buffsize": buffers.nbytes, "shm": [buffers.ccl_in.name, buffers.ccl_out.name]}
+        about: dict[str, Any] = {"buffsize": buffers.nbytes, "shm": [buffers.ccl_in.name, buffers.ccl_out.name]}
+        notify = self.channel.notify_description()
+        if notify is not None:  # resume: this rank's new inbox
+            about["notify"] = notify
+        return about
 
     def child(self, domain: int, rank: int, peer: int, buffers: CclBuffers, peer_buffers: dict[str, Any],
               on_progress: ProgressHook | None) -> "SdmaLink":
@@ -71,6 +97,34 @@ class SdmaLink(MappedAccess, ZmqLink):
         shm_in, shm_out, nbytes = self._shared_names(peer_buffers, "new buffers")
         self._regions = (SharedRegion.attach(shm_in, nbytes), SharedRegion.attach(shm_out, nbytes))
         self._remote = (self._regions[0].array, self._regions[1].array)
+        if self.root is self:  # and the peer's new inbox, if it made one (its first post through it comes
+            if self._outbox is not None:  # after resume's last round: every earlier one over ZeroMQ is read)
+                self._outbox.close()
+            self._outbox = self._open_outbox(peer_buffers.get("notify"))
+
+    def post(self, signal: int, index: int, seq: int, value: int = 0, fingerprint: int = 0) -> None:
+        box = self.outbox
+        if box is None or self._error is not None or not box.post(self.domain, signal, index, seq, value, fingerprint):
+            super().post(signal, index, seq, value, fingerprint)
+            return
+        self.signals_sent += 1
+
+    def stop_shared_notifies(self) -> None:
+        if self.root is self and self._outbox is not None:  # the connection's ring: its sub-communicators' too
+            self._outbox.close()
+
+    def release_shared_notifies(self) -> int:
+        return self.channel.release_notifies() if self.root is self else 0
+
+    def renew_shared_notifies(self) -> None:
+        if self.root is self:
+            self.channel.renew_notifies()
+
+    def stats(self) -> dict[str, Any]:
+        out = super().stats()
+        box = self.outbox
+        out["notifies"] = "zeromq" if box is None or box.sticky else "shared memory"  # how posts travel now
+        return out
 
     def read(self, dst: np.ndarray, addr: int, run: MemoryRunner) -> "Awaitable[Any] | None":
         self.bytes_received += dst.nbytes
@@ -92,6 +146,9 @@ class SdmaLink(MappedAccess, ZmqLink):
 
     def close(self) -> None:
         super().close()
+        if self._outbox is not None:
+            self._outbox.close()
+            self._outbox = None
         self._remote = (np.empty(0, np.uint8), np.empty(0, np.uint8))  # no view may keep the mapping
         for region in self._regions:
             region.close()

@@ -1,0 +1,135 @@
+"""Notifies through the peers' shared-memory inboxes (``transports._notify_ring``): the ring's
+records in order, the fall back to ZeroMQ when a ring is full (for good: the receiver drains its
+inbox before any ZeroMQ message, so a link's posts keep their order), and links made as init
+makes them posting through the inbox."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from ahcomm import ConnectError
+from ahcomm.testing import local_links, local_world
+from ahcomm.transports import _notify_ring as ring
+from ahcomm.transports.base import Signal
+
+Record = tuple[int, int, int, int, int, int, int]
+
+
+@pytest.fixture
+def inbox() -> ring.Inbox:
+    box = ring.Inbox(0, 3)
+    yield box
+    box.close()
+
+
+def test_records_arrive_in_order_per_sender(inbox: ring.Inbox) -> None:
+    got: list[Record] = []
+    one, two = ring.Outbox(inbox.describe(), 1), ring.Outbox(inbox.describe(), 2)
+    try:
+        assert one.post(0, 1, 5, 7, 1 << 40, 0xDEADBEEF) and two.post(3, 2, 0, 8, -5, 0)
+        assert one.post(0, 1, 6, 7, 9, 1)
+        assert inbox.drain(lambda *r: got.append(r)) == 3
+        assert got == [(1, 0, 1, 5, 7, 1 << 40, 0xDEADBEEF), (1, 0, 1, 6, 7, 9, 1), (2, 3, 2, 0, 8, -5, 0)]
+        assert inbox.drain(lambda *r: got.append(r)) == 0  # nothing twice
+    finally:
+        one.close()
+        two.close()
+
+
+def test_a_full_ring_falls_back_for_good(inbox: ring.Inbox) -> None:
+    box = ring.Outbox(inbox.describe(), 1)
+    try:
+        assert all(box.post(0, 1, i, 0, i, 0) for i in range(ring.CAPACITY))
+        assert not box.post(0, 1, 0, 1, 0, 0) and box.sticky  # the receiver is CAPACITY posts behind
+        got: list[Record] = []
+        assert inbox.drain(lambda *r: got.append(r)) == ring.CAPACITY
+        assert [r[3] for r in got] == list(range(ring.CAPACITY))
+        assert not box.post(0, 1, 0, 2, 0, 0)  # room again, but a post went through ZeroMQ: so do the rest
+    finally:
+        box.close()
+
+
+def test_a_value_beyond_int64_falls_back(inbox: ring.Inbox) -> None:
+    box = ring.Outbox(inbox.describe(), 2)
+    try:
+        assert not box.post(0, 1, 0, 0, 1 << 63, 0) and box.sticky
+    finally:
+        box.close()
+
+
+def test_a_sender_without_a_ring_is_refused(inbox: ring.Inbox) -> None:
+    with pytest.raises(ValueError, match="ring 3 is not in an inbox of 3"):
+        ring.Outbox(inbox.describe(), 3)
+
+
+def test_rings_belong_to_the_hosts_ranks(inbox: ring.Inbox) -> None:
+    """Ring i carries the posts of the host's i-th rank (``Channel.bind_notifies``): records
+    reach the dispatcher under that rank's wire number."""
+    inbox.senders = [4, 9, 12]
+    got: list[Record] = []
+    box = ring.Outbox(inbox.describe(), 1)
+    try:
+        assert box.post(2, 1, 0, 3, 0, 0)
+        inbox.drain(lambda *r: got.append(r))
+        assert got == [(9, 2, 1, 0, 3, 0, 0)]
+    finally:
+        box.close()
+
+
+def test_the_names_go_once_unlinked(inbox: ring.Inbox) -> None:
+    desc = inbox.describe()
+    inbox.unlink()
+    with pytest.raises(ConnectError, match="gone"):
+        ring.Outbox(desc, 1)
+
+
+@pytest.mark.parametrize("shm", [True, False])
+async def test_sdma_links_post_through_the_inbox(shm: bool) -> None:
+    """Links as init makes them post through the peer's inbox (stats say so) and the values and
+    fingerprints arrive; without inboxes, over ZeroMQ, alike. A ring that fills up hands the
+    link to ZeroMQ and every post still arrives, in order."""
+    made = await local_links(2, transport="sdma", shm_notify=shm)
+    try:
+        a, b = made.links[0][1], made.links[1][0]
+        assert a.stats()["notifies"] == ("shared memory" if shm else "zeromq")
+        a.post(Signal.DATA, 3, 4, value=12345)
+        await asyncio.wait_for(b.wait(Signal.DATA, 3, 4), 10)
+        assert b.value(Signal.DATA, 3, 4) == 12345
+        for i in range(ring.CAPACITY + 10):  # no await between: the receiver falls behind
+            a.post(Signal.ACK, i, 0, value=i)
+        assert a.stats()["notifies"] == "zeromq"
+        for i in range(ring.CAPACITY + 10):
+            await asyncio.wait_for(b.wait(Signal.ACK, i, 0), 10)
+            assert b.value(Signal.ACK, i, 0) == i
+        a.post(Signal.DATA, 0, 1, value=7)  # then a key twice: the later value stays
+        a.post(Signal.ACK, 0, 1, value=8)
+        await asyncio.wait_for(b.wait(Signal.ACK, 0, 1), 10)
+        assert b.value(Signal.DATA, 0, 1) == 7 and b.value(Signal.ACK, 0, 1) == 8
+    finally:
+        made.close()
+
+
+async def test_suspend_releases_the_inbox_and_resume_makes_a_new_one() -> None:
+    """While suspended a rank holds no inbox (notifies over ZeroMQ); resume makes a new one that
+    the peers post into once it returns, and every op is right on both sides of it."""
+    comms = await local_world(3, transport="sdma", buffsize=1 << 16)
+
+    def paths() -> set[str]:
+        return {link["notifies"] for c in comms for link in c.stats()["links"].values()}
+
+    try:
+        assert paths() == {"shared memory"}
+        await asyncio.wait_for(asyncio.gather(*(c.suspend() for c in comms)), 30)
+        assert paths() == {"zeromq"}
+        assert all(c._executor.links[(c.rank + 1) % 3].receiver().inbox is None for c in comms)
+        await asyncio.wait_for(asyncio.gather(*(c.resume() for c in comms)), 30)
+        assert paths() == {"shared memory"}
+        outs = await asyncio.wait_for(asyncio.gather(*(
+            c.all_reduce(np.full(5000, c.rank + 1.0), algorithm="ring") for c in comms)), 30)
+        for out in outs:
+            np.testing.assert_array_equal(out, 6.0)
+    finally:
+        await asyncio.gather(*(c.close() for c in comms), return_exceptions=True)
