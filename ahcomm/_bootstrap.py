@@ -337,7 +337,8 @@ def _connect(rank: int, table: list[dict[str, Any]], channel: Channel, cfg: Conf
     """One link per peer, each by the first entry of ``TRANSPORTS`` that can connect it."""
     links: dict[int, Link] = {}
     here = sorted(int(e["rank"]) for e in table if e["host"] == host)  # ring i of an inbox: here[i]'s posts
-    channel.bind_notifies(here)
+    if rank in here:  # the whole table (grow connects a replacement with its entry alone: no rings then)
+        channel.bind_notifies(here)
     for entry in table:
         peer = int(entry["rank"])
         if peer == rank:
@@ -358,7 +359,7 @@ def _connect(rank: int, table: list[dict[str, Any]], channel: Channel, cfg: Conf
 async def _handshake(rank: int, links: dict[int, Link], timeout: float) -> None:
     """Post a hello on every link and wait for every peer's: all links are up."""
     for link in links.values():
-        link.post(Signal.ACK, HELLO_INDEX, 0)
+        link.hello(HELLO_INDEX)  # over the connection itself: a peer that cannot reach it fails here
     try:
         async with asyncio.timeout(timeout):
             for link in links.values():

@@ -274,6 +274,8 @@ async def resume(comm: Suspendable, timeout: float | None) -> None:
                               tell=("abort", "its resume was cancelled"))
         raise
     executor.buffers.unlink()  # every peer maps them now: no name left to leak
+    for link in executor.links.values():  # and has opened the new notify inbox
+        link.settle_shared_notifies()
     executor.bind()
     if box is not None:
         box.unlink()

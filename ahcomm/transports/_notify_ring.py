@@ -18,8 +18,9 @@ records: x86 keeps stores, and loads, in program order (as the mailboxes rely on
 ``usable()`` is false and notifies stay on ZeroMQ).
 
 A post that cannot go here (its ring is full: the receiver is ``CAPACITY`` posts behind; a
-value outside int64) goes through ZeroMQ, and so does every later post of that ring
-(``Outbox.sticky``): the receiver drains its inbox before it reads any ZeroMQ message
+field outside the ZeroMQ header's range, which then raises there as before) goes through
+ZeroMQ, and so does every later post of that ring (``Outbox.sticky``): the receiver drains the
+sender's ring after it reads each ZeroMQ message's header and before it acts on it
 (``Channel``), so a link's notifies, and its goodbye or abort after them, arrive in the order
 they were posted.
 """
@@ -43,7 +44,9 @@ CAPACITY = 128  # records per ring (8 KiB): a receiver this many posts behind ma
 LINE = 8  # int64 words per cache line (and per record)
 HEAD, TAIL, RECORDS = 0, LINE, 2 * LINE  # word offsets within a ring
 RING_WORDS = RECORDS + CAPACITY * LINE
-INT64 = 1 << 63
+UINT64, INT64 = 1 << 64, 1 << 63
+# the ZeroMQ header's ranges (``_wire.HEADER``): signal B, index H, fingerprint I, seq q, value Q, domain H
+U8, U16, U32 = 1 << 8, 1 << 16, 1 << 32
 
 Dispatch = Callable[[int, int, int, int, int, int, int], None]  # (wire rank, domain, signal, index, seq, value, fp)
 
@@ -77,7 +80,7 @@ class Inbox:
             raise
         self.words = self.region.array.view(np.int64).reshape(rings, RING_WORDS)
         self._tails = [0] * rings
-        self.senders = list(range(rings))  # ring -> the wire rank that posts into it (``Channel.bind_notifies``)
+        self.senders = list(range(rings))
 
     def describe(self) -> dict[str, Any]:
         return {"inbox": self.region.name, "wake": self.fifo, "rings": self.rings}
@@ -93,24 +96,37 @@ class Inbox:
             pass
         self.drain(dispatch)
 
+    @property
+    def senders(self) -> list[int]:
+        """Ring i -> the wire rank that posts into it (``Channel.bind_notifies``)."""
+        return self._senders
+
+    @senders.setter
+    def senders(self, ranks: list[int]) -> None:
+        self._senders = list(ranks[:self.rings])
+        self._ring_of = {wire: i for i, wire in enumerate(self._senders)}
+
     def drain(self, dispatch: Dispatch) -> int:
         """Hand every record written so far to ``dispatch``, ring by ring in order; how many."""
-        handed = 0
-        words, tails = self.words, self._tails
-        for at_ring, sender in enumerate(self.senders):
-            ring = words[at_ring]
-            head = int(ring[HEAD])
+        return sum(self._drain_ring(i, dispatch) for i in range(len(self._senders)))
+
+    def drain_from(self, wire: int, dispatch: Dispatch) -> int:
+        """Hand on the records of ``wire``'s ring (its ZeroMQ message is next: they come first)."""
+        at_ring = self._ring_of.get(wire)
+        return 0 if at_ring is None else self._drain_ring(at_ring, dispatch)
+
+    def _drain_ring(self, at_ring: int, dispatch: Dispatch) -> int:
+        ring, tails = self.words[at_ring], self._tails
+        head, handed = int(ring[HEAD]), 0
+        sender = self._senders[at_ring]
+        while tails[at_ring] < head:
             tail = tails[at_ring]
-            if head == tail:
-                continue
-            while tail < head:
-                at = RECORDS + (tail % CAPACITY) * LINE
-                domain, signal, index, seq, value, fingerprint = ring[at:at + 6].tolist()
-                tail += 1
-                tails[at_ring] = tail
-                ring[TAIL] = tail  # the slot is free before the record is acted on (dispatch may post back)
-                handed += 1
-                dispatch(sender, domain, signal, index, seq, value, fingerprint)
+            at = RECORDS + (tail % CAPACITY) * LINE
+            domain, signal, index, seq, value, fingerprint = ring[at:at + 6].tolist()
+            tails[at_ring] = tail + 1  # before it is acted on: a nested drain never hands it on twice
+            ring[TAIL] = tail + 1  # the slot is free (dispatch may post back)
+            handed += 1
+            dispatch(sender, domain, signal, index, seq, value % UINT64, fingerprint)
         return handed
 
     def unlink(self) -> None:
@@ -163,11 +179,13 @@ class Outbox:
         if self.sticky:
             return False
         ring, head = self.ring, self.head
-        if head - int(ring[TAIL]) >= CAPACITY or not (-INT64 <= value < INT64):
+        if (head - int(ring[TAIL]) >= CAPACITY or not (0 <= value < UINT64 and 0 <= signal < U8 and 0 <= index < U16
+                                                       and 0 <= fingerprint < U32 and -INT64 <= seq < INT64
+                                                       and 0 <= domain < U16)):
             self.sticky = True
             return False
         at = RECORDS + (head % CAPACITY) * LINE
-        ring[at:at + 6] = (domain, signal, index, seq, value, fingerprint)
+        ring[at:at + 6] = (domain, signal, index, seq, value - UINT64 if value >= INT64 else value, fingerprint)
         self.head = head + 1
         ring[HEAD] = head + 1
         self.posts += 1

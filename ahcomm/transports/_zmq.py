@@ -119,7 +119,6 @@ class Channel:
         self.inbox: Inbox | None = None
         self._rings = notify_rings if ipc and notify_rings > 1 and shm_notify_usable() else 0
         self._host_ranks: list[int] = []
-        self._make_inbox()
         self.buffers = buffers
         self.creds = creds or Credentials("null")
         self.heartbeat = heartbeat
@@ -151,9 +150,8 @@ class Channel:
             self._monitor.stop()
             self.router.close(0)
             AUTH.unregister(self.domain)
-            if self.inbox is not None:
-                self.inbox.close()
             raise TransportError(f"rank {rank}: cannot bind its link endpoint: {exc}") from exc
+        self._make_inbox()  # once nothing above can fail: a failed init leaks no names
 
     def _make_inbox(self) -> None:
         if not self._rings:
@@ -164,13 +162,13 @@ class Channel:
             log.warning("rank %d: notifies go through ZeroMQ only: no shared-memory inbox (%s)", self.rank, exc)
             return
         if self._host_ranks:
-            self.inbox.senders = self._host_ranks[:self._rings]
+            self.inbox.senders = self._host_ranks
 
     def bind_notifies(self, host_ranks: list[int]) -> None:
         """The wire ranks of this host in rank order: ring i of the inbox carries the i-th's posts."""
         self._host_ranks = list(host_ranks)
         if self.inbox is not None:
-            self.inbox.senders = self._host_ranks[:self.inbox.rings]
+            self.inbox.senders = self._host_ranks
 
     def renew_notifies(self) -> None:
         """A new inbox where ``release_notifies`` closed the last (``Comm.resume``), read at once."""
@@ -257,8 +255,6 @@ class Channel:
             self._reject(link, exc)
 
     def _on_readable(self) -> None:
-        if self.inbox is not None:  # every notify posted before a ZeroMQ message is handled before it
-            self.inbox.drain(self._on_notify)
         router, links, unpack = self.router, self.links, HEADER.unpack
         while not router.closed and router.getsockopt(zmq.EVENTS) & zmq.POLLIN:
             link = None
@@ -266,6 +262,8 @@ class Channel:
                 ident = router.recv(zmq.NOBLOCK)
                 header = router.recv(zmq.NOBLOCK)  # a ROUTER message has at least identity and one frame
                 peer = RANK_ID.unpack(ident)[0] if len(ident) == RANK_ID.size else -1
+                if self.inbox is not None:  # what the peer put in its ring before this message comes first
+                    self.inbox.drain_from(peer, self._on_notify)
                 if len(header) == HEADER.size:
                     kind, a, index, nbytes, seq, offset, domain = unpack(header)
                     link = links.get((domain, peer))

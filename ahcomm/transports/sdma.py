@@ -22,7 +22,7 @@ from . import _cma
 from ._notify_ring import Outbox
 from ._wire import Malformed
 from ._zmq import Channel, ZmqLink
-from .base import MappedAccess, MemoryRunner, ProgressHook
+from .base import MappedAccess, MemoryRunner, ProgressHook, Signal
 
 
 class SdmaLink(MappedAccess, ZmqLink):
@@ -119,6 +119,13 @@ class SdmaLink(MappedAccess, ZmqLink):
     def renew_shared_notifies(self) -> None:
         if self.root is self:
             self.channel.renew_notifies()
+
+    def settle_shared_notifies(self) -> None:
+        if self.root is self:
+            self.channel.unlink()
+
+    def hello(self, index: int) -> None:
+        ZmqLink.post(self, Signal.ACK, index, 0)  # proves the ZeroMQ connection, which carries goodbyes and aborts
 
     def stats(self) -> dict[str, Any]:
         out = super().stats()
