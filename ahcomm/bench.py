@@ -196,12 +196,27 @@ async def calibrate_rank(out_path: str) -> None:
                            "single_copy": comm.topology.single_copy}, f)
 
 
+PROBE_BYTES = (32 << 20, 128 << 20)  # each memory-bound probe array: at least, at most
+
+
+def probe_bytes(cache: int | None = None) -> int:
+    """Bytes of each of ``local_rates``' three arrays: a quarter of the last-level cache, from 32 MiB
+    (the three exceed a 32 MiB cache) to 128 MiB (below glibc's non-temporal threshold, 181 MiB on
+    the Intel VM: its ordinary stores, as a collective's copies make). With 32 MiB arrays on the
+    Intel VM (480 MiB of it) the copy ran at 14.6 GB/s, in cache; with 128 MiB at 7.2, as the
+    ring's 64 MiB calls copy there (results/2026-11-27-shm-notify.md)."""
+    cache = last_level_cache() if cache is None else cache
+    low, high = PROBE_BYTES
+    return max(low, min(cache // 4, high)) // 64 * 64
+
+
 def local_rates() -> tuple[float, float, float]:
     """(seconds per byte reduced, seconds per byte copied, seconds per copy-engine hand-off),
-    each the best of several passes (noise only adds)."""
+    each the best of several passes (noise only adds), over arrays larger than the cache
+    (``probe_bytes``): memory-bound, as big calls are."""
     from concurrent.futures import ThreadPoolExecutor
 
-    a, b, c = (np.ones(8 << 20, np.float32) for _ in range(3))  # 32 MiB each: memory-bound, as big calls are
+    a, b, c = (np.ones(probe_bytes() // 4, np.float32) for _ in range(3))
     best_add = best_copy = math.inf
     for _ in range(7):
         t0 = time.perf_counter()

@@ -161,3 +161,14 @@ def test_all_gather_goes_through_the_slots_and_broadcast_keeps_direct() -> None:
     assert {pick("all_gather", n, size) for n in (2, 4, 8) for size in sizes} == {"oneshot"}
     for n in (2, 4, 8):
         assert [pick("broadcast", n, size) for size in sizes] == ["oneshot"] + ["direct"] * 5
+
+
+def test_the_memory_bound_probes_outgrow_the_cache() -> None:
+    """calibrate's copy and reduce rates come from arrays a quarter of the last-level cache each
+    (three of them), from 32 MiB up to 128 MiB (below glibc's non-temporal threshold)."""
+    from ahcomm import bench
+
+    assert bench.probe_bytes(0) == 32 * MIB  # unknown
+    assert bench.probe_bytes(32 * MIB) == 32 * MIB  # the EPYC host: as before
+    assert bench.probe_bytes(480 * MIB) == 120 * MIB  # the Intel VM: 32 MiB arrays stayed in its cache
+    assert bench.probe_bytes(4096 * MIB) == 128 * MIB
