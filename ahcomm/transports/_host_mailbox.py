@@ -14,23 +14,13 @@ unlinked once every peer holds them; a job that dies before leaves names that
 from __future__ import annotations
 
 import asyncio
-import os
-import secrets
 from typing import Any
 
 import numpy as np
 
-from .._buffers import SHM_DIR, SHM_PREFIX, SharedRegion, guard, unguard
-from .mailbox import Box, Mailbox, Waker, box_bytes
-
-
-def _waker(fd: int) -> Waker:
-    def wake() -> None:
-        try:
-            os.write(fd, b"\x01")
-        except OSError:  # full (a wake-up is pending anyway) or the peer is gone (its link reports it)
-            pass
-    return wake
+from .._buffers import SharedRegion, guard, unguard
+from ._wake import WakeFifo, Waker, close_fd, open_waker
+from .mailbox import Box, Mailbox, box_bytes
 
 
 class _ShmBox:
@@ -75,22 +65,19 @@ class HostMailbox:
         self.rank = rank
         self.capacity = capacity
         self.region = SharedRegion.create(box_bytes(capacity), f"r{rank}-mbox")
-        self.fifo = os.path.join(SHM_DIR, f"{SHM_PREFIX}{os.getpid()}-r{rank}-wake-{secrets.token_hex(4)}")
-        self.fd = -1
         self._peers: list[SharedRegion] = []
         self._wfds: list[int] = []
-        self._loop: asyncio.AbstractEventLoop | None = None
         self.mailbox: Mailbox | None = None
         try:
-            os.mkfifo(self.fifo, 0o600)
-            guard(self)  # a SIGTERM during init removes the FIFO's name too
-            self.fd = os.open(self.fifo, os.O_RDWR | os.O_NONBLOCK)
+            self.wake = WakeFifo(f"r{rank}-wake")
         except BaseException:
-            self.close()
+            self.region.unlink()
+            self.region.close()
             raise
+        guard(self)  # a SIGTERM during init removes the FIFO's name too
 
     def describe(self) -> dict[str, Any]:
-        return {"box": self.region.name, "wake": self.fifo, "capacity": self.capacity}
+        return {"box": self.region.name, "wake": self.wake.path, "capacity": self.capacity}
 
     @staticmethod
     def usable(table: list[dict[str, Any]]) -> bool:
@@ -112,22 +99,17 @@ class HostMailbox:
                 continue
             region = SharedRegion.attach(str(desc["box"]), box_bytes(self.capacity))
             self._peers.append(region)
-            fd = os.open(str(desc["wake"]), os.O_WRONLY | os.O_NONBLOCK)
+            fd, wake = open_waker(str(desc["wake"]))
             self._wfds.append(fd)
             arrays.append(region.array)
-            wakers.append(_waker(fd))
+            wakers.append(wake)
         self.mailbox = Mailbox(self.rank, arrays, wakers, self.capacity, _ShmStore(self.rank))
         return self.mailbox
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
-        self._loop = loop
-        loop.add_reader(self.fd, self._readable)
+        self.wake.watch(loop, self._woken)
 
-    def _readable(self) -> None:
-        try:
-            os.read(self.fd, 4096)
-        except OSError:
-            pass
+    def _woken(self) -> None:
         if self.mailbox is not None:
             self.mailbox.woken()
 
@@ -135,27 +117,15 @@ class HostMailbox:
         """Remove the names (every peer holds its mapping and descriptor)."""
         unguard(self)
         self.region.unlink()
-        try:
-            os.unlink(self.fifo)
-        except OSError:
-            pass
+        self.wake.unlink()
 
     def close(self) -> None:
         if self.mailbox is not None:
             self.mailbox.close()  # and any derived one left open: no more wake-ups
-        if self._loop is not None and self.fd >= 0:
-            try:
-                self._loop.remove_reader(self.fd)
-            except (ValueError, RuntimeError):
-                pass
-            self._loop = None
-        for fd in (*self._wfds, self.fd):
-            if fd >= 0:
-                try:
-                    os.close(fd)
-                except OSError:
-                    pass
-        self._wfds, self.fd = [], -1
+        self.wake.close()
+        for fd in self._wfds:
+            close_fd(fd)
+        self._wfds = []
         self.unlink()
         self.mailbox = None  # its views go with it, before the mappings are closed
         for region in (*self._peers, self.region):

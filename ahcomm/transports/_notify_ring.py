@@ -30,14 +30,14 @@ from __future__ import annotations
 import asyncio
 import os
 import platform
-import secrets
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
-from .._buffers import SHM_DIR, SHM_PREFIX, SharedRegion, guard, unguard
+from .._buffers import SharedRegion, guard, unguard
 from .._config import _flag
+from ._wake import WakeFifo, close_fd, open_waker
 
 MAX_RINGS = 64  # rings of an inbox at most (8.3 KiB each)
 CAPACITY = 128  # records per ring (8 KiB): a receiver this many posts behind makes the sender fall back to ZeroMQ
@@ -67,34 +67,29 @@ class Inbox:
 
     def __init__(self, rank: int, rings: int) -> None:
         self.rank, self.rings = rank, rings
-        self.fd = -1
-        self._loop: asyncio.AbstractEventLoop | None = None
         self.region = SharedRegion.create(inbox_bytes(rings), f"r{rank}-inbox")
-        self.fifo = os.path.join(SHM_DIR, f"{SHM_PREFIX}{os.getpid()}-r{rank}-notify-{secrets.token_hex(4)}")
         try:
-            os.mkfifo(self.fifo, 0o600)
-            guard(self)
-            self.fd = os.open(self.fifo, os.O_RDWR | os.O_NONBLOCK)
+            self.wake = WakeFifo(f"r{rank}-notify")
         except BaseException:
-            self.close()
+            self.region.unlink()
+            self.region.close()
             raise
+        guard(self)
         self.words = self.region.array.view(np.int64).reshape(rings, RING_WORDS)
         self._tails = [0] * rings
         self.senders = list(range(rings))
 
+    @property
+    def fifo(self) -> str:
+        return self.wake.path
+
     def describe(self) -> dict[str, Any]:
-        return {"inbox": self.region.name, "wake": self.fifo, "rings": self.rings}
+        return {"inbox": self.region.name, "wake": self.wake.path, "rings": self.rings}
 
     def start(self, loop: asyncio.AbstractEventLoop, dispatch: Dispatch) -> None:
-        self._loop = loop
-        loop.add_reader(self.fd, self._readable, dispatch)
-
-    def _readable(self, dispatch: Dispatch) -> None:
-        try:
-            os.read(self.fd, 4096)
-        except OSError:
-            pass
-        self.drain(dispatch)
+        def woken() -> None:
+            self.drain(dispatch)
+        self.wake.watch(loop, woken)
 
     @property
     def senders(self) -> list[int]:
@@ -133,24 +128,10 @@ class Inbox:
         """Remove the names (every peer holds its mapping and descriptor)."""
         unguard(self)
         self.region.unlink()
-        try:
-            os.unlink(self.fifo)
-        except OSError:
-            pass
+        self.wake.unlink()
 
     def close(self) -> None:
-        if self._loop is not None and self.fd >= 0:
-            try:
-                self._loop.remove_reader(self.fd)
-            except (ValueError, RuntimeError):
-                pass
-            self._loop = None
-        if self.fd >= 0:
-            try:
-                os.close(self.fd)
-            except OSError:
-                pass
-            self.fd = -1
+        self.wake.close()
         self.unlink()
         self.words = np.empty((0, RING_WORDS), np.int64)  # no view may keep the mapping
         self.region.close()
@@ -165,7 +146,7 @@ class Outbox:
             raise ValueError(f"ring {ring} is not in an inbox of {rings}")
         self.region = SharedRegion.attach(str(description["inbox"]), inbox_bytes(rings))
         try:
-            self.fd = os.open(str(description["wake"]), os.O_WRONLY | os.O_NONBLOCK)
+            self.fd, self._wake = open_waker(str(description["wake"]))
         except BaseException:
             self.region.close()
             raise
@@ -189,19 +170,17 @@ class Outbox:
         self.head = head + 1
         ring[HEAD] = head + 1
         self.posts += 1
-        try:
-            os.write(self.fd, b"\x01")
-        except OSError:  # full (a wake-up is pending anyway) or the receiver is gone (its link reports it)
-            pass
+        self._wake()
         return True
 
     def close(self) -> None:
-        if self.fd >= 0:
-            try:
-                os.close(self.fd)
-            except OSError:
-                pass
-            self.fd = -1
+        close_fd(self.fd)
+        self.fd = -1
+        self._wake = _nothing
         self.ring = np.empty(0, np.int64)
         self.sticky = True
         self.region.close()
+
+
+def _nothing() -> None:
+    """A closed outbox's waker."""
