@@ -142,7 +142,7 @@ async def test_suspend_releases_the_inbox_and_resume_makes_a_new_one() -> None:
         for c in comms:  # the new inboxes' names are gone once every peer holds them
             inbox = c._executor.links[(c.rank + 1) % 3].receiver().inbox
             assert inbox is not None and not os.path.exists(os.path.join(SHM_DIR, inbox.region.name))
-            assert not os.path.exists(inbox.fifo)
+            assert not os.path.exists(inbox.wake.path)
         outs = await asyncio.wait_for(asyncio.gather(*(
             c.all_reduce(np.full(5000, c.rank + 1.0), algorithm="ring") for c in comms)), 30)
         for out in outs:

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import platform
 from collections.abc import Callable
 from typing import Any
 
@@ -38,6 +37,7 @@ import numpy as np
 from .._buffers import SharedRegion, guard, unguard
 from .._config import _flag
 from ._wake import WakeFifo, close_fd, open_waker
+from .mailbox import stores_in_order
 
 MAX_RINGS = 64  # rings of an inbox at most (8.3 KiB each)
 CAPACITY = 128  # records per ring (8 KiB): a receiver this many posts behind makes the sender fall back to ZeroMQ
@@ -52,10 +52,9 @@ Dispatch = Callable[[int, int, int, int, int, int, int], None]  # (wire rank, do
 
 
 def usable() -> bool:
-    """Whether this host keeps stores in order (x86: TSO) and ``AHCOMM_SHM_NOTIFY`` is not 0
-    (a bad value raises; ``Config.from_env`` names it at init)."""
-    return _flag(os.environ, "AHCOMM_SHM_NOTIFY", True) and platform.machine().lower() in (
-        "x86_64", "amd64", "i386", "i686")
+    """Whether this host keeps stores in order (``mailbox.stores_in_order``) and
+    ``AHCOMM_SHM_NOTIFY`` is not 0 (a bad value raises; ``Config.from_env`` names it at init)."""
+    return _flag(os.environ, "AHCOMM_SHM_NOTIFY", True) and stores_in_order()
 
 
 def inbox_bytes(rings: int) -> int:
@@ -76,12 +75,7 @@ class Inbox:
             raise
         guard(self)
         self.words = self.region.array.view(np.int64).reshape(rings, RING_WORDS)
-        self._tails = [0] * rings
         self.senders = list(range(rings))
-
-    @property
-    def fifo(self) -> str:
-        return self.wake.path
 
     def describe(self) -> dict[str, Any]:
         return {"inbox": self.region.name, "wake": self.wake.path, "rings": self.rings}
@@ -111,15 +105,12 @@ class Inbox:
         return 0 if at_ring is None else self._drain_ring(at_ring, dispatch)
 
     def _drain_ring(self, at_ring: int, dispatch: Dispatch) -> int:
-        ring, tails = self.words[at_ring], self._tails
+        ring, sender = self.words[at_ring], self._senders[at_ring]
         head, handed = int(ring[HEAD]), 0
-        sender = self._senders[at_ring]
-        while tails[at_ring] < head:
-            tail = tails[at_ring]
+        while (tail := int(ring[TAIL])) < head:  # only this rank writes ``tail``
             at = RECORDS + (tail % CAPACITY) * LINE
             domain, signal, index, seq, value, fingerprint = ring[at:at + 6].tolist()
-            tails[at_ring] = tail + 1  # before it is acted on: a nested drain never hands it on twice
-            ring[TAIL] = tail + 1  # the slot is free (dispatch may post back)
+            ring[TAIL] = tail + 1  # before it is acted on: the slot is free, a nested drain skips it
             handed += 1
             dispatch(sender, domain, signal, index, seq, value % UINT64, fingerprint)
         return handed
@@ -151,7 +142,6 @@ class Outbox:
             self.region.close()
             raise
         self.ring = self.region.array.view(np.int64).reshape(rings, RING_WORDS)[ring]
-        self.head = int(self.ring[HEAD])
         self.sticky = False  # a post went through ZeroMQ: every later one does too
         self.posts = 0
 
@@ -159,7 +149,8 @@ class Outbox:
         """Write the record and wake the receiver; False (and from now on) where it must go through ZeroMQ."""
         if self.sticky:
             return False
-        ring, head = self.ring, self.head
+        ring = self.ring
+        head = int(ring[HEAD])  # only this rank writes it
         if (head - int(ring[TAIL]) >= CAPACITY or not (0 <= value < UINT64 and 0 <= signal < U8 and 0 <= index < U16
                                                        and 0 <= fingerprint < U32 and -INT64 <= seq < INT64
                                                        and 0 <= domain < U16)):
@@ -167,7 +158,6 @@ class Outbox:
             return False
         at = RECORDS + (head % CAPACITY) * LINE
         ring[at:at + 6] = (domain, signal, index, seq, value - UINT64 if value >= INT64 else value, fingerprint)
-        self.head = head + 1
         ring[HEAD] = head + 1
         self.posts += 1
         self._wake()

@@ -41,13 +41,14 @@ from __future__ import annotations
 import os
 import platform
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any, Literal, Protocol
 
 import numpy as np
 
 from .._config import usable_cores
 from .._memcopy import copy
+from ._wake import Waker
 
 HEADER = 64  # bytes of a slot's header (a cache line): int64 flag and seq, uint32 fingerprint and size
 SLOTS = 2  # one slot per sequence-number parity
@@ -59,15 +60,20 @@ SLOTS = 2  # one slot per sequence-number parity
 DEFAULT_CAPACITY = 1 << 20
 SPIN_US = 30.0  # microseconds a waiter may poll before it sleeps (AHCOMM_SPIN_US; only ranks <= cores)
 YIELD_US = 200.0  # the same, yielding its core between looks (AHCOMM_YIELD_US; only cores < ranks <= 2 cores)
-Waker = Callable[[], None]
+
+
+def stores_in_order() -> bool:
+    """Whether this processor keeps stores, and loads, in program order (x86's TSO), as the
+    mailboxes and the notify inboxes (``_notify_ring``) rely on."""
+    return platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
 
 
 def capacity_from_env() -> int:
     """Payload bytes per slot: AHCOMM_MAILBOX_BYTES (0: no mailboxes), rounded to 64 bytes.
 
-    Mailboxes rely on the processor keeping stores and loads in order (x86's TSO); other
-    architectures get none (the other algorithms run instead)."""
-    if platform.machine().lower() not in ("x86_64", "amd64", "i386", "i686"):
+    Mailboxes rely on the processor keeping stores and loads in order (``stores_in_order``);
+    other architectures get none (the other algorithms run instead)."""
+    if not stores_in_order():
         return 0
     raw = os.environ.get("AHCOMM_MAILBOX_BYTES", "").strip()
     try:
