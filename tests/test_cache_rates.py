@@ -14,7 +14,7 @@ import pytest
 from ahcomm._config import last_level_cache
 from ahcomm.algorithms import REGISTRY, Call, Topology
 from ahcomm.algorithms._selection import Selector
-from ahcomm.algorithms.cost import FOOTPRINT, CostModel
+from ahcomm.algorithms.cost import FOOTPRINT, STAGED, CostModel
 from ahcomm.sim import simulate
 
 MIB = 1 << 20
@@ -44,7 +44,26 @@ def test_a_call_is_hot_where_each_rank_has_a_core_and_the_data_fits_half_the_cac
     assert not dataclasses.replace(HOT, cores=0).hot(2, 1024)
     warm = HOT.for_call(2, 2 * MIB)
     assert (warm.copy, warm.gamma, warm.crowd) == (HOT.copy_hot, HOT.gamma_hot, 1.0)
-    assert HOT.for_call(2, 8 * MIB) is HOT and HOT.for_call(4, 2 * MIB) is HOT
+    assert HOT.for_call(4, 2 * MIB) is HOT and HOT.for_call(3, 64 << 10) is HOT
+
+
+def test_a_call_beyond_the_cache_runs_in_it_for_the_share_the_cache_holds() -> None:
+    """Past half the cache the share in cache falls as half the cache over the ranks' data: a call
+    twice the largest hot one runs half at the in-cache rates, per byte (the binary rule priced it
+    at memory's rates: 2-rank 64 MiB calls on a host reporting 480 MiB, 1.30-1.34x measured)."""
+    fits = 32 * MIB / 2 / (2 * FOOTPRINT)
+    assert HOT.cache_share(2, fits) == 1.0 and HOT.cache_share(2, 2 * fits) == 0.5
+    assert HOT.cache_share(2, 64 * fits) == 1 / 64 and HOT.cache_share(3, 1024) == 0.0
+    half = HOT.for_call(2, 2 * fits)
+    assert math.isclose(half.copy, (HOT.copy_hot + HOT.copy) / 2)
+    assert math.isclose(half.gamma, (HOT.gamma_hot + HOT.gamma) / 2)
+    assert math.isclose(half.copy_shared, (HOT.copy_hot + HOT.copy_shared) / 2)  # no crowding in cache
+    assert 1.0 < half.crowd < HOT.crowd
+    assert math.isclose(half.staged * half.copy, (HOT.copy_hot + STAGED * HOT.copy) / 2)  # a full copy in cache
+    nearly = HOT.for_call(2, fits * 1.01)
+    assert HOT.copy_hot < nearly.copy < 1.02 * HOT.copy_hot
+    far = HOT.for_call(2, 1024 * fits)
+    assert far.copy > 0.99 * HOT.copy and far.crowd > 0.99 * HOT.crowd
 
 
 def test_the_rates_travel_with_the_model() -> None:
@@ -68,17 +87,18 @@ def test_the_selector_prices_a_hot_call_at_the_in_cache_rates() -> None:
     assert star.cost(call, _topo(2), HOT) < star.cost(call, _topo(2), cold)  # type: ignore[operator]
     assert Selector(REGISTRY, "", HOT).choose(call, _topo(2)).name == "star"
     big = Call(op="reduce", seq=0, dtype=np.dtype(np.float32), count=(64 * MIB) // 4, root=0)
-    assert star.cost(big, _topo(2), HOT) == star.cost(big, _topo(2), cold)
+    # 64 MiB: 1/24 of 2 ranks' data in a 32 MiB cache's half, priced nearly as from memory
+    assert 0.95 * star.cost(big, _topo(2), cold) < star.cost(big, _topo(2), HOT) < star.cost(big, _topo(2), cold)  # type: ignore[operator]
 
 
 def test_the_simulator_runs_a_hot_call_at_the_in_cache_rates() -> None:
-    """np=2 2 MiB ring all_reduce is predicted faster with the in-cache rates; np=4 on 2 cores and
-    64 MiB are not hot and predict as before."""
+    """np=2 2 MiB ring all_reduce is predicted faster with the in-cache rates; np=4 on 2 cores is
+    not hot and predicts as before, 64 MiB (1/24 of its data in cache) nearly so."""
     cold = dataclasses.replace(HOT, cache=0)
     for n, nbytes, faster in ((2, 2 * MIB, True), (4, 2 * MIB, False), (2, 64 * MIB, False)):
         hot = simulate("all_reduce", n, n, nbytes, "ring", model=HOT, cpu=True).time_us
         plain = simulate("all_reduce", n, n, nbytes, "ring", model=cold, cpu=True).time_us
-        assert (hot < 0.9 * plain) if faster else math.isclose(hot, plain), (n, nbytes, hot, plain)
+        assert (hot < 0.9 * plain) if faster else math.isclose(hot, plain, rel_tol=0.05), (n, nbytes, hot, plain)
 
 
 def test_calibrate_measures_the_in_cache_rates() -> None:
@@ -121,7 +141,7 @@ def test_staged_copies_cost_half_a_copy_and_single_copy_reads_a_pin_more() -> No
     """A copy into or out of a mailbox slot (which the cache keeps) sends half its traffic through
     memory: ``STAGED`` of a copy, a full (in-cache) copy where the call is hot. A read through the
     kernel costs ``PIN`` a byte on top of its copy."""
-    from ahcomm.algorithms.cost import PIN, STAGED, Work
+    from ahcomm.algorithms.cost import PIN, Work
 
     two = _topo(2)
     work = Work(staged=MIB)
@@ -137,7 +157,7 @@ def test_staged_copies_cost_half_a_copy_and_single_copy_reads_a_pin_more() -> No
 def test_a_staged_copy_in_cache_costs_no_more_than_out_of_it() -> None:
     """In cache a staged copy costs an in-cache copy; where the in-cache rate is not faster than
     memory's (a disturbed calibration, clamped), no more than a staged copy out of cache."""
-    from ahcomm.algorithms.cost import STAGED, Work
+    from ahcomm.algorithms.cost import Work
 
     two, work = _topo(2), Work(staged=MIB)
     disturbed = dataclasses.replace(HOT, copy_hot=1 / 3.1e9)

@@ -36,7 +36,8 @@ to that many of them (``slowdown`` < 1).
 In cache: a call whose data fits half the host's last-level cache, where every rank has a
 core, is priced at the in-cache rates ``copy_hot`` and ``gamma_hot`` (``CostModel.hot``;
 ``Algorithm.cost`` applies ``for_call``), which only a calibration provides; a staged copy
-there costs no more than out of cache (``in_cache``).
+there costs no more than out of cache (``in_cache``). A bigger call runs the share of its
+bytes that half the cache holds at those rates and the rest at memory's (``cache_share``).
 
 The numbers come from a calibration on the host (``ahcomm-bench calibrate``, cached in a JSON
 file) or, without one, from defaults fitted to sweeps on a 2-core x86 host. The same file
@@ -120,16 +121,27 @@ class CostModel:
         return nearest(self.picks, call.op, topo.size, self.link_kind(topo), topo.single_copy,
                        call_bytes(call, topo.size)[0])
 
+    def cache_share(self, ranks_here: int, whole: float) -> float:
+        """The share of a call's copies and reductions that run at the in-cache rates, where
+        ``ranks_here`` of its ranks share a host and the call moves ``whole`` bytes.
+
+        1 where every rank has a core of its own and the ranks' data (``FOOTPRINT`` times the
+        call's bytes each: input, output, staging) fits half the last-level cache; beyond that,
+        half the cache over that footprint (the share of data passed over again and again that
+        stays in the cache: on the Intel VM, whose reported 480 MiB hold part of a 2-rank 64 MiB
+        call, a binary rule priced those calls at memory's rates, 1.18-1.34x their measured time;
+        results/2026-11-27-cache-share.md). 0 where ranks share cores (they evict each other's
+        caches between steps: traced at 2 MiB, np=2 on 2 cores copied at 25 GB/s and reduced at
+        17.7, np=4 copied at 10.3, as at 64 MiB; results/2026-11-26-cache-rates.md), and where
+        the cache size, the in-cache rates or the cores are unknown."""
+        if not (self.cache > 0 and (self.copy_hot > 0 or self.gamma_hot > 0) and 0 < ranks_here <= self.cores):
+            return 0.0
+        footprint = ranks_here * FOOTPRINT * whole
+        return 1.0 if footprint <= self.cache / 2 else self.cache / 2 / footprint
+
     def hot(self, ranks_here: int, whole: float) -> bool:
-        """Whether a call of ``whole`` bytes on a host with ``ranks_here`` of its ranks runs out of
-        cache: every rank has a core of its own, and the ranks' data (``FOOTPRINT`` times the
-        call's bytes each: input, output, staging) fits half the last-level cache. Where ranks
-        share cores they evict each other's caches between steps: traced at 2 MiB, np=2 on 2
-        cores copied at 25 GB/s and reduced at 17.7 (ring at 64 MiB: 11.7 and 13.0), np=4 copied
-        at 10.3, as at 64 MiB (results/2026-11-26-cache-rates.md). Off where the cache size, the
-        in-cache rates or the cores are unknown."""
-        return (self.cache > 0 and (self.copy_hot > 0 or self.gamma_hot > 0) and 0 < ranks_here <= self.cores
-                and ranks_here * FOOTPRINT * whole <= self.cache / 2)
+        """Whether all of a call's data stays in cache (``cache_share`` 1)."""
+        return self.cache_share(ranks_here, whole) >= 1.0
 
     @cached_property
     def in_cache(self) -> "CostModel":
@@ -142,8 +154,23 @@ class CostModel:
                        staged=min(1.0, self.staged * self.copy / copy))
 
     def for_call(self, ranks_here: int, whole: float) -> "CostModel":
-        """The model that prices a call of ``whole`` bytes: ``in_cache`` where it is ``hot``."""
-        return self.in_cache if self.hot(ranks_here, whole) else self
+        """The model that prices a call of ``whole`` bytes: ``in_cache`` where it is ``hot``, this
+        one where none of it is, else per byte the mix of the two by ``cache_share`` (in cache
+        without memory crowding)."""
+        share = self.cache_share(ranks_here, whole)
+        if share >= 1.0:
+            return self.in_cache
+        if share <= 0.0:
+            return self
+        hot = self.in_cache
+
+        def mix(warm: float, cold: float) -> float:
+            return share * warm + (1.0 - share) * cold
+
+        copy = mix(hot.copy, self.copy)
+        shared = mix(hot.copy, self.copy_shared) if self.copy_shared > 0 else 0.0
+        return replace(self, copy=copy, gamma=mix(hot.gamma, self.gamma), copy_shared=shared,
+                       staged=mix(hot.staged * hot.copy, self.staged * self.copy) / copy)
 
     @property
     def crowd(self) -> float:
