@@ -225,3 +225,28 @@ async def test_a_partial_table_leaves_the_rings_alone() -> None:
         assert channel.inbox.senders == [0, 1, 2]
     finally:
         made.close()
+
+
+WAKE_DEAD_PEER = r'''
+import signal, sys
+signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # as a CLI that pipes into head restores it
+from ahcomm.transports._wake import WakeFifo, close_fd, open_waker
+fifo = WakeFifo("t")
+fd, wake = open_waker(fifo.path)
+fifo.close()  # the owner is gone: its end of the FIFO is closed
+for _ in range(70_000):  # past the pipe's 64 KiB: full, not fatal
+    wake()
+close_fd(fd)
+print("alive")
+'''
+
+
+def test_waking_a_dead_peer_never_raises_sigpipe() -> None:
+    """A process with SIGPIPE's default action that wakes a peer whose process is gone (the notify
+    inbox's and the mailboxes' doorbell) lives on: its link reports the loss. Before, the write
+    to a FIFO without a reader killed it (status 141)."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", WAKE_DEAD_PEER], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and proc.stdout.strip() == "alive", (proc.returncode, proc.stderr)

@@ -61,8 +61,13 @@ class WakeFifo:
 
 
 def open_waker(path: str) -> tuple[int, Waker]:
-    """A peer's FIFO opened for writing (non blocking) and the call that wakes it."""
-    fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK)
+    """A peer's FIFO opened for writing (non blocking) and the call that wakes it.
+
+    Opened for reading too (Linux allows it on a FIFO): the FIFO then never loses its last
+    reader, so a write after the peer died fills the pipe (EAGAIN, ignored) instead of raising
+    SIGPIPE, whose default action - which CLIs that pipe into ``head`` restore - would kill this
+    process before its link could report the loss."""
+    fd = os.open(path, os.O_RDWR | os.O_NONBLOCK)
 
     def wake() -> None:
         try:
