@@ -387,7 +387,8 @@ def calibrate() -> None:
           f"({1 / shared / 1e9:.2f} GB/s each with {copiers} copying at once), engine hand-off: {engine * 1e6:.0f} us")
     copy_hot, gamma_hot = hot_rates(cores)
     cache = last_level_cache()
-    print(f"in cache ({cache >> 20} MiB last-level; calls whose data fits half of it with a core per rank): "
+    print(f"in cache ({cache >> 20} MiB last-level; calls whose data fits half of it with a core per rank, "
+          f"the share that fits of bigger ones): "
           f"copy {1 / copy_hot / 1e9:.2f} GB/s, reduce {1 / gamma_hot / 1e9:.2f} GB/s")
     picks = _cost.load().picks  # what `tune` measured stays: it is timings, not the model's numbers
     model = dataclasses.replace(_cost.CostModel(), gamma=gamma, copy=copy, engine=engine, copy_shared=shared,
