@@ -168,6 +168,8 @@ CALIBRATION_CASES = (
 # the median of 5, 6.0-8.9 GB/s (one calibration takes 7-8 s on 2 cores, 10.5 s on one);
 # results/2026-11-25-sim-fidelity-4.md.
 CALIBRATION_REPEATS = 5
+CPU_CASE_BYTES = 64 << 10  # cases up to this size also time their CPU per call (``fit_cpu``)
+CPU_CALLS = 50  # calls per CPU timing; the median of ``CALIBRATION_REPEATS`` timings counts
 
 
 async def calibrate_rank(out_path: str) -> None:
@@ -189,11 +191,28 @@ async def calibrate_rank(out_path: str) -> None:
                 _, median_us, _ = await measure(case, 3, 30, 0.3)
                 slowest = await comm.all_reduce(np.array([median_us]), "max")
                 tries.append(float(slowest[0]) * 1e-6)
-            points.append({"algorithm": algorithm, "op": op, "count": case.block, "seconds": statistics.median(tries)})
+            point = {"algorithm": algorithm, "op": op, "count": case.block, "seconds": statistics.median(tries)}
+            if nbytes <= CPU_CASE_BYTES:
+                point["cpu"] = statistics.median([await cpu_per_call(case) for _ in range(CALIBRATION_REPEATS)])
+            points.append(point)
         if comm.rank == 0:
             with open(out_path, "w") as f:
                 json.dump({"points": points, "cores": usable_cores(),
                            "single_copy": comm.topology.single_copy}, f)
+
+
+async def cpu_per_call(case: Case) -> float:
+    """The CPU seconds a call of ``case`` costs its process (every thread: the event loop's, the
+    copy engines', ZeroMQ's), averaged over the ranks: what ranks sharing cores take from each
+    other, where a call's wall time at 2 ranks on 2 cores is also its latency."""
+    comm = case.comm
+    await comm.barrier()
+    start = time.process_time()
+    for _ in range(CPU_CALLS):
+        await case.issue()
+    mine = (time.process_time() - start) / CPU_CALLS
+    total = await comm.all_reduce(np.array([mine]), "sum")
+    return float(total[0]) / int(comm.size)
 
 
 PROBE_BYTES = (32 << 20, 128 << 20)  # each memory-bound probe array: at least, at most
@@ -371,6 +390,37 @@ def fit_link(kind: str, points: list[dict[str, Any]], model: CostModel, single_c
     return LinkCost(alpha=base.alpha * float(scale), beta=float(beta)), float(scale)
 
 
+def fit_cpu(points: list[dict[str, Any]], single_copy: bool) -> tuple[float, float]:
+    """(CPU seconds per notify, CPU seconds per call beside its notifies) from the CPU per call
+    of ``points`` that have it: least squares of ``cpu = launch + tasks * notify`` over them, a
+    case's notifies from its algorithm's own estimate (a model whose only cost is one second per
+    notify, 2 ranks on sdma links). Measured on the 2-core Intel VM: 27 us per notify and 49 us
+    per call, where the fitted ``task`` (CPU and latency, which 2 ranks on 2 cores cannot tell
+    apart) was 51 us; 4 ranks on those cores spent 27 us of CPU per extra notify
+    (results/2026-11-27-cpu-per-call.md). No launch where the fit gives a negative one; (0, 0)
+    (not measured) from fewer than two cases or without a positive per-notify cost."""
+    from .algorithms import REGISTRY, Call, Topology
+    from .algorithms.cost import CostModel, LinkCost
+
+    topo = Topology(rank=0, size=2, hosts=("calibration",) * 2, link_kinds=("self", "sdma"),
+                    all_mapped=True, single_copy=single_copy)
+    zero = {k: LinkCost(0.0, 0.0) for k in ("inproc", "sdma", "rdma")}
+    per_notify = CostModel(links=zero, gamma=0.0, copy=0.0, task=1.0, engine=0.0)
+    tasks, cpu = [], []
+    for p in points:
+        if "cpu" in p:
+            call = Call(op=p["op"], seq=0, dtype=np.dtype(np.float32), count=int(p["count"]))
+            tasks.append(REGISTRY.algorithms[p["algorithm"]].cost(call, topo, per_notify) or 0.0)
+            cpu.append(float(p["cpu"]))
+    if len(cpu) < 2:
+        return 0.0, 0.0
+    x, y = np.array(tasks), np.array(cpu)
+    (launch, notify), *_ = np.linalg.lstsq(np.stack([np.ones_like(x), x], axis=1), y, rcond=None)
+    if launch < 0:
+        launch, notify = 0.0, float(x @ y / max(float(x @ x), 1e-30))
+    return (float(notify), float(launch)) if notify > 0 else (0.0, 0.0)
+
+
 def calibrate() -> None:
     """Measure the cost model's numbers on this host and cache them for every later job."""
     import dataclasses
@@ -394,6 +444,7 @@ def calibrate() -> None:
     model = dataclasses.replace(_cost.CostModel(), gamma=gamma, copy=copy, engine=engine, copy_shared=shared,
                                 cores=cores, cache=cache, copy_hot=copy_hot, gamma_hot=gamma_hot, picks=picks)
     links, scales = dict(model.links), []
+    task_cpu = call_cpu = 0.0
     with tempfile.TemporaryDirectory() as tmp:
         for kind in ("sdma", "rdma"):
             out = os.path.join(tmp, f"{kind}.json")
@@ -407,11 +458,14 @@ def calibrate() -> None:
             cores = int(measured.get("cores", cores))
             links[kind], scale = fit_link(kind, measured["points"], model, bool(measured.get("single_copy")))
             scales.append(scale)
+            if kind == "sdma":  # the notifies between ranks of a host, as the simulator's --cpu runs them
+                task_cpu, call_cpu = fit_cpu(measured["points"], bool(measured.get("single_copy")))
             print(f"{kind}: alpha {links[kind].alpha * 1e6:.1f} us, beta {1 / links[kind].beta / 1e9:.2f} GB/s "
                   f"(latency x{scale:.2f} of the defaults)")
     task = model.task * float(np.mean(scales))
-    print(f"notify: {task * 1e6:.0f} us, cores: {cores}")
-    model = dataclasses.replace(model, links=links, task=task, cores=cores,
+    print(f"notify: {task * 1e6:.0f} us" + (f" ({min(task_cpu, task) * 1e6:.0f} us of it CPU)" if task_cpu > 0 else "")
+          + (f", a call's own CPU: {call_cpu * 1e6:.0f} us" if call_cpu > 0 else "") + f", cores: {cores}")
+    model = dataclasses.replace(model, links=links, task=task, cores=cores, task_cpu=task_cpu, launch=call_cpu,
                                 source=f"calibrated {time.strftime('%Y-%m-%d')}")
     print(f"saved {_cost.save(model)}" + (f" (with the {len(picks)} picks `ahcomm-bench tune` measured before)"
                                            if picks else ""))

@@ -156,11 +156,14 @@ class World:
     def __init__(self, n: int, k: int, model: CostModel, *, check: bool, contention: bool, cpu: bool = False) -> None:
         self.n, self.k, self.model = n, k, model
         self.loop = VirtualLoop()  # type: ignore[abstract]
-        params = {kind: LinkParams(c.alpha, c.beta) for kind, c in model.links.items()}
         host = cpu and model.cores > 0  # this host's costs: shared cores, posts, engine hand-offs, memory bandwidth
+        # a notify's CPU work (``notify_cpu``); the rest of its cost (``task``) is latency: it lands later
+        wait = model.task - model.notify_cpu if host else 0.0
+        params = {kind: LinkParams(c.alpha + wait, c.beta) for kind, c in model.links.items()}
+        self.launch = model.launch if host else 0.0  # CPU per call on each rank, before its first task
         here = min(n, k)  # ranks of the fullest server (the cost model's per_host): engines where cores are left
         self.net = SimNetwork(self.loop, k, params, contention=contention, check=check,
-                              cores=model.cores if cpu else 0, task=model.task if host else 0.0,
+                              cores=model.cores if cpu else 0, task=model.notify_cpu if host else 0.0,
                               engine=model.engine if host else 0.0,
                               engine_bytes=ENGINE_THRESHOLD if model.engines_at(here) else NO_ENGINE,
                               crowd=model.crowd if host else 1.0, copy=model.copy if host else 0.0)
@@ -297,6 +300,8 @@ def simulate(op: str, n: int, k: int, nbytes: int, algorithm: str | None = None,
     async def rank(r: int) -> None:
         if straggler is not None and straggler[0] == r:
             await asyncio.sleep(straggler[1])
+        if world.launch > 0:  # the call's own CPU work (checks, picks, setup) on this rank's thread
+            await world.net.loop.settle_at(world.net.cpu(r, world.launch))
         await executors[r].run(call, algo, srcs[r], dsts[r], ufunc)
         finish[r] = world.loop.now
 

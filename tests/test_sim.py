@@ -428,5 +428,8 @@ def test_calibrate_saves_the_cores_the_job_may_use(tmp_path: Path) -> None:
                           text=True, timeout=300, preexec_fn=lambda: os.sched_setaffinity(0, {one}))
     assert done.returncode == 0, done.stderr[-2000:]
     assert "each with 1 copying at once" in done.stdout, done.stdout
-    assert load_model(str(path)).cores == 1
-    assert [p.to_dict() for p in load_model(str(path)).picks] == [tuned]
+    saved = load_model(str(path))
+    assert saved.cores == 1
+    assert [p.to_dict() for p in saved.picks] == [tuned]
+    # the CPU per notify and per call, from the small cases' CPU time (``fit_cpu``)
+    assert 0 < saved.task_cpu < 1e-3 and 0 <= saved.launch < 1e-3 and "of it CPU" in done.stdout, done.stdout

@@ -39,6 +39,12 @@ core, is priced at the in-cache rates ``copy_hot`` and ``gamma_hot`` (``CostMode
 there costs no more than out of cache (``in_cache``). A bigger call runs the share of its
 bytes that half the cache holds at those rates and the rest at memory's (``cache_share``).
 
+The simulator (``ahcomm-sim --cpu``) also charges CPU where ranks share cores: of a notify's
+``task``, ``task_cpu`` is CPU work (the rest makes it land later), and ``launch`` is CPU each
+rank spends per call beside its notifies and copies (checks, the pick, setting the run up).
+``calibrate`` measures both from the CPU time of its small cases; the selector leaves them out
+(every candidate pays ``launch`` alike, and ``task`` already prices a notify at 2 ranks).
+
 The numbers come from a calibration on the host (``ahcomm-bench calibrate``, cached in a JSON
 file) or, without one, from defaults fitted to sweeps on a 2-core x86 host. The same file
 carries ``picks``, the algorithms ``ahcomm-bench tune`` measured fastest here, which the
@@ -109,6 +115,9 @@ class CostModel:
     copy_hot: float = 0.0  # seconds per byte copied where a call's data stays in cache (``hot``; 0: as ``copy``)
     gamma_hot: float = 0.0  # the same for a byte reduced (0: as ``gamma``)
     staged: float = STAGED  # a staged copy's share of ``copy`` (``Work.staged``; 1 in ``in_cache``)
+    # What ``ahcomm-sim --cpu`` charges as CPU work (``calibrate`` measures both; 0: not measured):
+    task_cpu: float = 0.0  # of ``task``, the seconds of CPU (the rest is latency); 0: all of it
+    launch: float = 0.0  # CPU seconds a rank spends per call beside its notifies and copies
     picks: tuple[MeasuredPick, ...] = ()  # fastest algorithms measured here (``ahcomm-bench tune``)
 
     def measured(self, call: Call, topo: Topology) -> MeasuredPick | None:
@@ -171,6 +180,12 @@ class CostModel:
         shared = mix(hot.copy, self.copy_shared) if self.copy_shared > 0 else 0.0
         return replace(self, copy=copy, gamma=mix(hot.gamma, self.gamma), copy_shared=shared,
                        staged=mix(hot.staged * hot.copy, self.staged * self.copy) / copy)
+
+    @property
+    def notify_cpu(self) -> float:
+        """CPU seconds per notify, the sender's and the receiver's together: ``task_cpu`` where
+        measured (at most ``task``), else all of ``task``."""
+        return min(self.task_cpu, self.task) if self.task_cpu > 0 else self.task
 
     @property
     def crowd(self) -> float:
@@ -240,7 +255,8 @@ class CostModel:
         return {"version": MODEL_VERSION, "links": {k: asdict(v) for k, v in self.links.items()},
                 "gamma": self.gamma, "copy": self.copy, "task": self.task, "engine": self.engine, "cores": self.cores,
                 "copy_shared": self.copy_shared, "cache": self.cache, "copy_hot": self.copy_hot,
-                "gamma_hot": self.gamma_hot, "staged": self.staged, "source": self.source,
+                "gamma_hot": self.gamma_hot, "staged": self.staged, "task_cpu": self.task_cpu,
+                "launch": self.launch, "source": self.source,
                 "picks": [p.to_dict() for p in self.picks]}
 
     @classmethod
@@ -262,6 +278,7 @@ class CostModel:
                    copy_shared=float(data.get("copy_shared", 0.0)),  # absent in older files: not measured
                    cache=int(data.get("cache", 0) or 0), copy_hot=float(data.get("copy_hot", 0.0)),
                    gamma_hot=float(data.get("gamma_hot", 0.0)), staged=float(data.get("staged", STAGED)),
+                   task_cpu=float(data.get("task_cpu", 0.0)), launch=float(data.get("launch", 0.0)),
                    picks=picks)
 
 

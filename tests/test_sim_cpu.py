@@ -1,0 +1,79 @@
+"""The CPU the simulator charges (``ahcomm-sim --cpu``): a notify's CPU share of its cost and a
+call's own CPU, both from ``ahcomm-bench calibrate``'s CPU timings (``fit_cpu``)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+
+import numpy as np
+
+from ahcomm.algorithms import REGISTRY, Call, Topology
+from ahcomm.algorithms.cost import CostModel, LinkCost
+from ahcomm.bench import fit_cpu
+from ahcomm.sim import simulate
+
+TWO = Topology(rank=0, size=2, hosts=("h",) * 2, link_kinds=("self", "sdma"), all_mapped=True, single_copy=True)
+CASES = (("ring", "all_reduce"), ("ring", "all_gather"), ("rhd", "all_reduce"), ("mesh", "all_reduce"),
+         ("mesh", "all_gather"))
+HOST = CostModel(links={"inproc": LinkCost(25e-6, 0.2e-9), "sdma": LinkCost(25e-6, 0.07e-9),
+                        "rdma": LinkCost(70e-6, 0.5e-9)}, cores=2, task=50e-6, source="test")  # as calibrated here
+
+
+def _notifies(algorithm: str, op: str) -> int:
+    call = Call(op=op, seq=0, dtype=np.dtype(np.float32), count=2)
+    work = REGISTRY.algorithms[algorithm].work(call, TWO, CostModel(), 8.0, 4.0)
+    return int(work.tasks)  # type: ignore[union-attr]
+
+
+def _points(per_call: float, per_notify: float) -> list[dict[str, object]]:
+    points: list[dict[str, object]] = [
+        {"algorithm": a, "op": op, "count": 2, "seconds": 1e-4,
+         "cpu": per_call + per_notify * _notifies(a, op)} for a, op in CASES]
+    points.append({"algorithm": "ring", "op": "all_gather", "count": 1 << 20, "seconds": 1e-3})  # no CPU timed
+    return points
+
+
+def test_the_cpu_fit_finds_the_cost_per_notify_and_per_call() -> None:
+    assert len({_notifies(a, op) for a, op in CASES}) > 1  # the cases tell the two apart
+    notify, call = fit_cpu(_points(44e-6, 31e-6), True)
+    assert math.isclose(notify, 31e-6, rel_tol=1e-6) and math.isclose(call, 44e-6, rel_tol=1e-6)
+    notify, call = fit_cpu(_points(-20e-6, 31e-6), True)  # no negative call cost: through the origin
+    assert call == 0.0 and 0 < notify < 31e-6
+    assert fit_cpu(_points(44e-6, 31e-6)[:1], True) == (0.0, 0.0)  # one case: not measured
+    assert fit_cpu(_points(44e-6, -1e-6), True)[0] >= 0.0
+
+
+def test_a_notify_s_cpu_share_shares_cores_and_the_rest_is_latency() -> None:
+    """Half of each notify's cost as CPU: at 2 ranks on 2 cores (no core shared) the call takes
+    about as long; at 4 ranks on 2 cores, where the CPU work queues for the cores, less."""
+    half = dataclasses.replace(HOST, task_cpu=HOST.task / 2)
+    assert half.notify_cpu == HOST.task / 2 and HOST.notify_cpu == HOST.task
+    assert dataclasses.replace(HOST, task_cpu=2 * HOST.task).notify_cpu == HOST.task  # at most all of it
+    for n, alike in ((2, True), (4, False)):
+        full = simulate("all_reduce", n, n, 8, "ring", model=HOST, cpu=True).time_us
+        part = simulate("all_reduce", n, n, 8, "ring", model=half, cpu=True).time_us
+        assert math.isclose(full, part, rel_tol=0.1) if alike else part < 0.85 * full, (n, full, part)
+    # without --cpu neither counts
+    assert (simulate("all_reduce", 4, 4, 8, "ring", model=half).time_us
+            == simulate("all_reduce", 4, 4, 8, "ring", model=HOST).time_us)
+
+
+def test_a_call_s_own_cpu_comes_before_its_first_task() -> None:
+    base = simulate("broadcast", 2, 2, 8, "ring", model=HOST, cpu=True).time_us
+    launched = dataclasses.replace(HOST, launch=40e-6)
+    assert math.isclose(simulate("broadcast", 2, 2, 8, "ring", model=launched, cpu=True).time_us, base + 40,
+                        abs_tol=1.0)
+    assert simulate("broadcast", 2, 2, 8, "ring", model=launched).time_us == simulate(
+        "broadcast", 2, 2, 8, "ring", model=HOST).time_us
+    four = simulate("broadcast", 4, 4, 8, "ring", model=launched, cpu=True).time_us  # 4 launches on 2 cores
+    assert four >= simulate("broadcast", 4, 4, 8, "ring", model=HOST, cpu=True).time_us + 80 - 1.0
+
+
+def test_the_cpu_costs_travel_with_the_model() -> None:
+    model = dataclasses.replace(HOST, task_cpu=31e-6, launch=44e-6)
+    back = CostModel.from_dict(json.loads(json.dumps(model.to_dict())))
+    assert (back.task_cpu, back.launch) == (31e-6, 44e-6)
+    old = {k: v for k, v in model.to_dict().items() if k not in ("task_cpu", "launch")}
+    assert (CostModel.from_dict(old).task_cpu, CostModel.from_dict(old).launch) == (0.0, 0.0)
