@@ -77,3 +77,17 @@ def test_the_cpu_costs_travel_with_the_model() -> None:
     assert (back.task_cpu, back.launch) == (31e-6, 44e-6)
     old = {k: v for k, v in model.to_dict().items() if k not in ("task_cpu", "launch")}
     assert (CostModel.from_dict(old).task_cpu, CostModel.from_dict(old).launch) == (0.0, 0.0)
+
+
+def test_the_selector_prices_a_notify_s_cpu_share_by_the_cores() -> None:
+    """With ``task_cpu`` the estimate at 2 ranks on 2 cores is the same (a notify costs ``task``),
+    and at 4 ranks on 2 cores lower: only the CPU share waits for a core."""
+    half = dataclasses.replace(HOST, task_cpu=HOST.task / 2)
+    ring = REGISTRY.algorithms["ring"]
+    call = Call(op="all_reduce", seq=0, dtype=np.dtype(np.float32), count=2)
+    for n, alike in ((2, True), (4, False)):
+        topo = Topology(rank=0, size=n, hosts=("h",) * n, link_kinds=("self",) + ("sdma",) * (n - 1),
+                        all_mapped=True, single_copy=True)
+        full, part = ring.cost(call, topo, HOST), ring.cost(call, topo, half)
+        assert full is not None and part is not None
+        assert math.isclose(full, part) if alike else part < 0.9 * full, (n, full, part)
