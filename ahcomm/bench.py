@@ -192,7 +192,7 @@ async def calibrate_rank(out_path: str) -> None:
                 slowest = await comm.all_reduce(np.array([median_us]), "max")
                 tries.append(float(slowest[0]) * 1e-6)
             point = {"algorithm": algorithm, "op": op, "count": case.block, "seconds": statistics.median(tries)}
-            if nbytes <= CPU_CASE_BYTES:
+            if nbytes <= CPU_CASE_BYTES and "sdma" in comm.topology.link_kinds:  # what fit_cpu reads
                 point["cpu"] = statistics.median([await cpu_per_call(case) for _ in range(CALIBRATION_REPEATS)])
             points.append(point)
         if comm.rank == 0:
@@ -398,7 +398,8 @@ def fit_cpu(points: list[dict[str, Any]], single_copy: bool) -> tuple[float, flo
     per call, where the fitted ``task`` (CPU and latency, which 2 ranks on 2 cores cannot tell
     apart) was 51 us; 4 ranks on those cores spent 27 us of CPU per extra notify
     (results/2026-11-27-cpu-per-call.md). No launch where the fit gives a negative one; (0, 0)
-    (not measured) from fewer than two cases or without a positive per-notify cost."""
+    (not measured) where the cases do not differ in notifies (the two cannot be told apart) or
+    without a positive per-notify cost. A case whose algorithm gives no estimate is left out."""
     from .algorithms import REGISTRY, Call, Topology
     from .algorithms.cost import CostModel, LinkCost
 
@@ -410,9 +411,11 @@ def fit_cpu(points: list[dict[str, Any]], single_copy: bool) -> tuple[float, flo
     for p in points:
         if "cpu" in p:
             call = Call(op=p["op"], seq=0, dtype=np.dtype(np.float32), count=int(p["count"]))
-            tasks.append(REGISTRY.algorithms[p["algorithm"]].cost(call, topo, per_notify) or 0.0)
-            cpu.append(float(p["cpu"]))
-    if len(cpu) < 2:
+            notifies = REGISTRY.algorithms[p["algorithm"]].cost(call, topo, per_notify)
+            if notifies is not None:
+                tasks.append(notifies)
+                cpu.append(float(p["cpu"]))
+    if len(set(tasks)) < 2:
         return 0.0, 0.0
     x, y = np.array(tasks), np.array(cpu)
     (launch, notify), *_ = np.linalg.lstsq(np.stack([np.ones_like(x), x], axis=1), y, rcond=None)

@@ -98,7 +98,12 @@ def test_the_simulator_runs_a_hot_call_at_the_in_cache_rates() -> None:
     for n, nbytes, faster in ((2, 2 * MIB, True), (4, 2 * MIB, False), (2, 64 * MIB, False)):
         hot = simulate("all_reduce", n, n, nbytes, "ring", model=HOT, cpu=True).time_us
         plain = simulate("all_reduce", n, n, nbytes, "ring", model=cold, cpu=True).time_us
-        assert (hot < 0.9 * plain) if faster else math.isclose(hot, plain, rel_tol=0.05), (n, nbytes, hot, plain)
+        if faster:
+            assert hot < 0.9 * plain, (n, nbytes, hot, plain)
+        elif n > 2:  # ranks share the cores: nothing in cache
+            assert hot == plain, (n, nbytes, hot, plain)
+        else:
+            assert plain * 0.95 < hot < plain, (n, nbytes, hot, plain)
 
 
 def test_calibrate_measures_the_in_cache_rates() -> None:

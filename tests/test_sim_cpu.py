@@ -42,7 +42,9 @@ def test_the_cpu_fit_finds_the_cost_per_notify_and_per_call() -> None:
     notify, call = fit_cpu(_points(-20e-6, 31e-6), True)  # no negative call cost: through the origin
     assert call == 0.0 and 0 < notify < 31e-6
     assert fit_cpu(_points(44e-6, 31e-6)[:1], True) == (0.0, 0.0)  # one case: not measured
-    assert fit_cpu(_points(44e-6, -1e-6), True)[0] >= 0.0
+    same = [p for p in _points(44e-6, 31e-6) if p.get("algorithm") == "mesh"]  # 1 notify each
+    assert fit_cpu(same, True) == (0.0, 0.0)  # per call and per notify cannot be told apart
+    assert fit_cpu(_points(44e-6, -1e-6), True) == (0.0, 0.0)  # no positive cost per notify
 
 
 def test_a_notify_s_cpu_share_shares_cores_and_the_rest_is_latency() -> None:
@@ -77,6 +79,19 @@ def test_the_cpu_costs_travel_with_the_model() -> None:
     assert (back.task_cpu, back.launch) == (31e-6, 44e-6)
     old = {k: v for k, v in model.to_dict().items() if k not in ("task_cpu", "launch")}
     assert (CostModel.from_dict(old).task_cpu, CostModel.from_dict(old).launch) == (0.0, 0.0)
+
+
+def test_hierarchical_pricing_takes_a_notify_s_cpu_share_too() -> None:
+    """Two servers of 4 ranks on 2 cores: hier's estimate drops with ``task_cpu`` as the flat
+    algorithms' do (the selector would lean against it otherwise)."""
+    half = dataclasses.replace(HOST, task_cpu=HOST.task / 2)
+    topo = Topology(rank=0, size=8, hosts=("a",) * 4 + ("b",) * 4,
+                    link_kinds=("self",) + ("sdma",) * 3 + ("rdma",) * 4, all_mapped=False, single_copy=False)
+    call = Call(op="all_reduce", seq=0, dtype=np.dtype(np.float32), count=2)
+    for name in ("hier", "ring"):
+        algo = REGISTRY.algorithms[name]
+        full, part = algo.cost(call, topo, HOST), algo.cost(call, topo, half)
+        assert full is not None and part is not None and part < 0.95 * full, (name, full, part)
 
 
 def test_the_selector_prices_a_notify_s_cpu_share_by_the_cores() -> None:

@@ -204,8 +204,10 @@ class Price:
     def seconds(self, work: Work, link: LinkCost, parts: int = 1) -> float:
         """Work.seconds at ``link``; with ``parts``, one of that many pipelined segments."""
         m = self.model
-        cpu = (work.tasks * m.task + work.link * link.beta + work.reduced * m.gamma + work.copied * m.copy) / parts
-        return work.rounds * link.alpha * m.hop(self.topo) + cpu * m.slowdown(self.topo, work.busy, work.streams)
+        notify = m.notify_cpu  # as Work.seconds: a notify's CPU shares the cores, the rest is latency
+        cpu = (work.tasks * notify + work.link * link.beta + work.reduced * m.gamma + work.copied * m.copy) / parts
+        return (work.rounds * link.alpha * m.hop(self.topo) + work.tasks * (m.task - notify) / parts
+                + cpu * m.slowdown(self.topo, work.busy, work.streams))
 
     def segmented(self, w0: Work, w1: Work, parts: int) -> float:
         """Level 0 then level 1 per segment, segment k + 1's level 0 beside segment k's level 1."""

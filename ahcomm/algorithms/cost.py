@@ -3,8 +3,8 @@
 Each algorithm estimates its time for a call from a ``CostModel`` and a ``Work``, what the
 busiest rank does on the critical path:
 
-    (rounds * hop + handoffs * (hop - 1)) * alpha
-        + (tasks * task + engines * engine + link_bytes * beta + reduced_bytes * gamma
+    (rounds * hop + handoffs * (hop - 1)) * alpha + tasks * (task - notify_cpu)
+        + (tasks * notify_cpu + engines * engine + link_bytes * beta + reduced_bytes * gamma
            + (copied_bytes + staged_bytes * staged) * copy + pinned_bytes * PIN) * slowdown
 
 Of the slowest link kind the call crosses: ``alpha``, seconds per dependent one-way step (a
@@ -15,7 +15,8 @@ the host). Of the host: ``gamma``, seconds per byte reduced; ``copy``, per byte 
 (staging, and reads or writes of a peer's mapped buffer or, single copy, of its memory, as
 mesh and star move data); ``task``, per link notify a rank posts (DataSignal, Ack: the
 sender's and the woken receiver's event-loop work; a pipelined transfer posts one DataSignal
-and one Ack per piece); ``engine``, per memory task big enough (``ENGINE_BYTES``) to go to a
+and one Ack per piece; ``task_cpu``, its CPU share where a calibration measured it, else all of
+it: ``notify_cpu``); ``engine``, per memory task big enough (``ENGINE_BYTES``) to go to a
 stream's copy engine (the hand-off to the thread and the wake-up when it is done; none
 where a host has as many ranks as cores or more, as its streams then copy inline). A copy
 into or out of a mailbox slot, which stays in the cache, sends half its traffic through memory
@@ -163,7 +164,7 @@ class CostModel:
         2 MiB all_gather at 2.8x its measured time) keeps the memory rate."""
         copy = _faster(self.copy_hot, self.copy)
         return replace(self, copy=copy, gamma=_faster(self.gamma_hot, self.gamma), copy_shared=0.0,
-                       staged=min(1.0, self.staged * self.copy / copy))
+                       staged=min(1.0, self.staged * self.copy / copy) if copy > 0 else self.staged)
 
     def for_call(self, ranks_here: int, whole: float) -> "CostModel":
         """The model that prices a call of ``whole`` bytes: ``in_cache`` where it is ``hot``, this
@@ -181,8 +182,8 @@ class CostModel:
 
         copy = mix(hot.copy, self.copy)
         shared = mix(hot.copy, self.copy_shared) if self.copy_shared > 0 else 0.0
-        return replace(self, copy=copy, gamma=mix(hot.gamma, self.gamma), copy_shared=shared,
-                       staged=mix(hot.staged * hot.copy, self.staged * self.copy) / copy)
+        staged = mix(hot.staged * hot.copy, self.staged * self.copy) / copy if copy > 0 else self.staged
+        return replace(self, copy=copy, gamma=mix(hot.gamma, self.gamma), copy_shared=shared, staged=staged)
 
     @property
     def notify_cpu(self) -> float:
