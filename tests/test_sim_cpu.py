@@ -6,8 +6,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+from pathlib import Path
 
 import numpy as np
+import pytest
 
 from ahcomm.algorithms import REGISTRY, Call, Topology
 from ahcomm.algorithms.cost import CostModel, LinkCost
@@ -106,3 +108,23 @@ def test_the_selector_prices_a_notify_s_cpu_share_by_the_cores() -> None:
         full, part = ring.cost(call, topo, HOST), ring.cost(call, topo, half)
         assert full is not None and part is not None
         assert math.isclose(full, part) if alike else part < 0.9 * full, (n, full, part)
+
+
+def test_a_calibration_that_cannot_be_read_is_named_not_ignored(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """An AHCOMM_TUNING_FILE that is not a calibration falls back to the defaults with a warning
+    naming it (it was silent); a missing one (not calibrated here) stays silent."""
+    import logging
+
+    from ahcomm.algorithms import cost
+
+    monkeypatch.setenv("AHCOMM_TUNING_FILE", str(tmp_path / "none.json"))
+    with caplog.at_level(logging.WARNING, logger="ahcomm.cost"):
+        assert cost.load().source == "defaults"
+    assert not caplog.records
+    bad = tmp_path / "calibration.json"
+    bad.write_text('{"version": 2, "copy": "fast"}')
+    monkeypatch.setenv("AHCOMM_TUNING_FILE", str(bad))
+    with caplog.at_level(logging.WARNING, logger="ahcomm.cost"):
+        assert cost.load().source == "defaults"
+    assert str(bad) in caplog.text and "cannot be read" in caplog.text and "fast" in caplog.text

@@ -61,6 +61,7 @@ per-rank counts).
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 from dataclasses import asdict, dataclass, field, replace
@@ -296,7 +297,9 @@ def cache_path() -> Path:
 
 
 def load() -> CostModel:
-    """The cached calibration, or the defaults when there is none (or it cannot be read).
+    """The cached calibration, or the defaults when there is none (or it cannot be read: then a
+    warning names the file and the problem, since an ``AHCOMM_TUNING_FILE`` that points at the
+    wrong file would otherwise go unnoticed).
 
     Where the file does not say how many cores the host has, the host's cores for its ranks are
     taken (``usable_cores``: AHCOMM_CORES, else this process's affinity), as calibrate counts
@@ -306,7 +309,12 @@ def load() -> CostModel:
     path = cache_path()
     try:
         model = CostModel.from_dict(json.loads(path.read_text()))
-    except (OSError, ValueError, KeyError, TypeError):
+    except FileNotFoundError:  # not calibrated here
+        model = CostModel()
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        logging.getLogger("ahcomm.cost").warning(
+            "the calibration %s cannot be read (%s: %s); using the default cost model "
+            "(`ahcomm-bench calibrate` writes a new one)", path, type(exc).__name__, exc)
         model = CostModel()
     if model.cores <= 0:
         model = replace(model, cores=usable_cores())
