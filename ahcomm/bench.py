@@ -36,6 +36,7 @@ from ._bench_case import BLOCKED, OPS, REDOPS, REDUCING, ROOTED, Case, bus_facto
 from ._config import last_level_cache, usable_cores
 
 if TYPE_CHECKING:
+    from .algorithms.call import Topology
     from .algorithms.cost import CostModel, LinkCost
 
 PRIVATE = "_calibrate"  # what `calibrate` starts on each of its ranks; not in --help
@@ -343,6 +344,14 @@ def hot_rates(threads: int, rounds: int = 100, passes: int = 5) -> tuple[float, 
     return rates[0], rates[1]
 
 
+def _pair(kind: str, single_copy: bool) -> "Topology":
+    """The calibration job's topology: 2 ranks on one host joined by ``kind`` links."""
+    from .algorithms import Topology
+
+    return Topology(rank=0, size=2, hosts=("calibration",) * 2, link_kinds=("self", kind),
+                    all_mapped=kind != "rdma", single_copy=single_copy and kind != "rdma")
+
+
 def fit_link(kind: str, points: list[dict[str, Any]], model: CostModel, single_copy: bool) -> tuple[LinkCost, float]:
     """(LinkCost, latency scale) for ``kind`` from timed ``points``.
 
@@ -358,11 +367,10 @@ def fit_link(kind: str, points: list[dict[str, Any]], model: CostModel, single_c
     """
     import dataclasses
 
-    from .algorithms import REGISTRY, Call, Topology
+    from .algorithms import REGISTRY, Call
     from .algorithms.cost import CostModel, LinkCost, call_bytes
 
-    topo = Topology(rank=0, size=2, hosts=("calibration",) * 2, link_kinds=("self", kind),
-                    all_mapped=kind != "rdma", single_copy=single_copy and kind != "rdma")
+    topo = _pair(kind, single_copy)
     base = model.links[kind]
     zero = {k: LinkCost(0.0, 0.0) for k in model.links}
     latency = CostModel(links={**zero, kind: LinkCost(base.alpha, 0.0)}, gamma=0.0, copy=0.0, task=model.task,
@@ -400,13 +408,12 @@ def fit_cpu(points: list[dict[str, Any]], single_copy: bool) -> tuple[float, flo
     (results/2026-11-27-cpu-per-call.md). No launch where the fit gives a negative one; (0, 0)
     (not measured) where the cases do not differ in notifies (the two cannot be told apart) or
     without a positive per-notify cost. A case whose algorithm gives no estimate is left out."""
-    from .algorithms import REGISTRY, Call, Topology
+    from .algorithms import REGISTRY, Call
     from .algorithms.cost import CostModel, LinkCost
 
-    topo = Topology(rank=0, size=2, hosts=("calibration",) * 2, link_kinds=("self", "sdma"),
-                    all_mapped=True, single_copy=single_copy)
-    zero = {k: LinkCost(0.0, 0.0) for k in ("inproc", "sdma", "rdma")}
-    per_notify = CostModel(links=zero, gamma=0.0, copy=0.0, task=1.0, engine=0.0)
+    topo = _pair("sdma", single_copy)
+    per_notify = CostModel(links={k: LinkCost(0.0, 0.0) for k in CostModel().links}, gamma=0.0, copy=0.0,
+                           task=1.0, engine=0.0)
     tasks, cpu = [], []
     for p in points:
         if "cpu" in p:
@@ -465,11 +472,11 @@ def calibrate() -> None:
                 task_cpu, call_cpu = fit_cpu(measured["points"], bool(measured.get("single_copy")))
             print(f"{kind}: alpha {links[kind].alpha * 1e6:.1f} us, beta {1 / links[kind].beta / 1e9:.2f} GB/s "
                   f"(latency x{scale:.2f} of the defaults)")
-    task = model.task * float(np.mean(scales))
-    print(f"notify: {task * 1e6:.0f} us" + (f" ({min(task_cpu, task) * 1e6:.0f} us of it CPU)" if task_cpu > 0 else "")
+    model = dataclasses.replace(model, links=links, task=model.task * float(np.mean(scales)), cores=cores,
+                                task_cpu=task_cpu, launch=call_cpu, source=f"calibrated {time.strftime('%Y-%m-%d')}")
+    cpu_part = f" ({model.notify_cpu * 1e6:.0f} us of it CPU)" if task_cpu > 0 else ""
+    print(f"notify: {model.task * 1e6:.0f} us{cpu_part}"
           + (f", a call's own CPU: {call_cpu * 1e6:.0f} us" if call_cpu > 0 else "") + f", cores: {cores}")
-    model = dataclasses.replace(model, links=links, task=task, cores=cores, task_cpu=task_cpu, launch=call_cpu,
-                                source=f"calibrated {time.strftime('%Y-%m-%d')}")
     print(f"saved {_cost.save(model)}" + (f" (with the {len(picks)} picks `ahcomm-bench tune` measured before)"
                                            if picks else ""))
 

@@ -157,8 +157,7 @@ class World:
         self.n, self.k, self.model = n, k, model
         self.loop = VirtualLoop()  # type: ignore[abstract]
         host = cpu and model.cores > 0  # this host's costs: shared cores, posts, engine hand-offs, memory bandwidth
-        # a notify's CPU work (``notify_cpu``); the rest of its cost (``task``) is latency: it lands later
-        wait = model.task - model.notify_cpu if host else 0.0
+        wait = model.notify_wait if host else 0.0  # a notify's cost beside its CPU: it lands that much later
         params = {kind: LinkParams(c.alpha + wait, c.beta) for kind, c in model.links.items()}
         self.launch = model.launch if host else 0.0  # CPU per call on each rank, before its first task
         here = min(n, k)  # ranks of the fullest server (the cost model's per_host): engines where cores are left

@@ -50,7 +50,7 @@ def test_a_call_is_hot_where_each_rank_has_a_core_and_the_data_fits_half_the_cac
 def test_a_call_beyond_the_cache_runs_in_it_for_the_share_the_cache_holds() -> None:
     """Past half the cache the share in cache falls as half the cache over the ranks' data: a call
     twice the largest hot one runs half at the in-cache rates, per byte (the binary rule priced it
-    at memory's rates: 2-rank 64 MiB calls on a host reporting 480 MiB, 1.30-1.34x measured)."""
+    at memory's rates: 2-rank 64 MiB calls on a host reporting 480 MiB, 1.18-1.34x measured)."""
     fits = 32 * MIB / 2 / (2 * FOOTPRINT)
     assert HOT.cache_share(2, fits) == 1.0 and HOT.cache_share(2, 2 * fits) == 0.5
     assert HOT.cache_share(2, 64 * fits) == 1 / 64 and HOT.cache_share(3, 1024) == 0.0

@@ -204,9 +204,9 @@ class Price:
     def seconds(self, work: Work, link: LinkCost, parts: int = 1) -> float:
         """Work.seconds at ``link``; with ``parts``, one of that many pipelined segments."""
         m = self.model
-        notify = m.notify_cpu  # as Work.seconds: a notify's CPU shares the cores, the rest is latency
-        cpu = (work.tasks * notify + work.link * link.beta + work.reduced * m.gamma + work.copied * m.copy) / parts
-        return (work.rounds * link.alpha * m.hop(self.topo) + work.tasks * (m.task - notify) / parts
+        cpu = (work.tasks * m.notify_cpu + work.link * link.beta + work.reduced * m.gamma
+               + work.copied * m.copy) / parts
+        return (work.rounds * link.alpha * m.hop(self.topo) + work.tasks * m.notify_wait / parts
                 + cpu * m.slowdown(self.topo, work.busy, work.streams))
 
     def segmented(self, w0: Work, w1: Work, parts: int) -> float:

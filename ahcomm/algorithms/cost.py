@@ -3,7 +3,7 @@
 Each algorithm estimates its time for a call from a ``CostModel`` and a ``Work``, what the
 busiest rank does on the critical path:
 
-    (rounds * hop + handoffs * (hop - 1)) * alpha + tasks * (task - notify_cpu)
+    (rounds * hop + handoffs * (hop - 1)) * alpha + tasks * notify_wait
         + (tasks * notify_cpu + engines * engine + link_bytes * beta + reduced_bytes * gamma
            + (copied_bytes + staged_bytes * staged) * copy + pinned_bytes * PIN) * slowdown
 
@@ -15,8 +15,8 @@ the host). Of the host: ``gamma``, seconds per byte reduced; ``copy``, per byte 
 (staging, and reads or writes of a peer's mapped buffer or, single copy, of its memory, as
 mesh and star move data); ``task``, per link notify a rank posts (DataSignal, Ack: the
 sender's and the woken receiver's event-loop work; a pipelined transfer posts one DataSignal
-and one Ack per piece; ``task_cpu``, its CPU share where a calibration measured it, else all of
-it: ``notify_cpu``); ``engine``, per memory task big enough (``ENGINE_BYTES``) to go to a
+and one Ack per piece; ``notify_cpu`` of it is CPU - ``task_cpu`` where a calibration measured
+it, else all of it - and ``notify_wait`` the rest); ``engine``, per memory task big enough (``ENGINE_BYTES``) to go to a
 stream's copy engine (the hand-off to the thread and the wake-up when it is done; none
 where a host has as many ranks as cores or more, as its streams then copy inline). A copy
 into or out of a mailbox slot, which stays in the cache, sends half its traffic through memory
@@ -193,6 +193,12 @@ class CostModel:
         return min(self.task_cpu, self.task) if self.task_cpu > 0 else self.task
 
     @property
+    def notify_wait(self) -> float:
+        """Of a notify's ``task``, the seconds that are not CPU: latency, which no core sharing
+        stretches (0 where ``task_cpu`` is not measured)."""
+        return self.task - self.notify_cpu
+
+    @property
     def crowd(self) -> float:
         """How much longer a copy takes while every core copies than alone (>= 1; 1: not measured).
         The selector leaves it out; ``ahcomm-sim --cpu`` shares a server's memory bandwidth by it."""
@@ -356,12 +362,12 @@ class Work:
         hand-off; an algorithm's own threads (``threads``: direct's) hand off all the same."""
         engines_on = self.threads or model.engines_on(topo)
         link = model.link(topo)
-        notify = model.notify_cpu  # a notify's CPU shares the cores; the rest of ``task`` is latency
-        cpu = (self.tasks * notify + self.engines * (model.engine if engines_on else 0.0) + self.link * link.beta
-               + self.reduced * model.gamma + (self.copied + self.staged * model.staged) * model.copy
+        cpu = (self.tasks * model.notify_cpu + self.engines * (model.engine if engines_on else 0.0)
+               + self.link * link.beta + self.reduced * model.gamma
+               + (self.copied + self.staged * model.staged) * model.copy
                + (self.pinned * PIN if self.pinned and "sdma" in topo.link_kinds else 0.0))  # in a process: memmove
         hop = model.hop(topo, self.busy)
-        return ((self.rounds * hop + self.handoffs * (hop - 1.0)) * link.alpha + self.tasks * (model.task - notify)
+        return ((self.rounds * hop + self.handoffs * (hop - 1.0)) * link.alpha + self.tasks * model.notify_wait
                 + cpu * model.slowdown(topo, self.busy, self.streams))
 
 
