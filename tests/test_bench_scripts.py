@@ -12,7 +12,7 @@ import pytest
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
-@pytest.mark.parametrize("script", ["staged_probe.py", "limits.py", "summary.py"])
+@pytest.mark.parametrize("script", ["staged_probe.py", "limits.py", "summary.py", "selection_replay.py"])
 def test_help_prints_usage_and_runs_nothing(script: str) -> None:
     done = subprocess.run([sys.executable, str(BENCHMARKS / script), "--help"], capture_output=True, text=True,
                           timeout=60, cwd=BENCHMARKS.parent)
@@ -39,3 +39,31 @@ def test_every_tool_sweeps_the_same_sizes(lo: int, hi: int, factor: int) -> None
     common = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(common)
     assert list(common.sizes(lo, hi, factor)) == list(sizes(lo, hi, factor))
+
+
+def test_the_selection_replay_scores_the_model_s_picks_against_the_timings() -> None:
+    """selection_replay.py prices each timed point with the model and compares its pick with the
+    fastest: one point where the pick was fastest, one where it took twice as long."""
+    import importlib.util
+
+    import numpy as np
+
+    from ahcomm.algorithms import REGISTRY, Call, CostModel, Topology
+    from ahcomm.algorithms._selection import Selector
+
+    spec = importlib.util.spec_from_file_location("selection_replay", BENCHMARKS / "selection_replay.py")
+    assert spec is not None and spec.loader is not None
+    replay = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(replay)
+    model = CostModel(cores=2)
+    topo = Topology(rank=0, size=2, hosts=("h",) * 2, link_kinds=("self", "sdma"), all_mapped=True,
+                    single_copy=True, mailbox=1 << 20)
+    sizes = (1 << 20, 64 << 20)
+    picks = [Selector(REGISTRY, "", model).choose(Call(op="broadcast", seq=0, dtype=np.dtype(np.float32),
+                                                       count=b // 4, root=0), topo).name for b in sizes]
+    other = [next(a for a in ("ring", "star", "mesh") if a != pick) for pick in picks]
+    tune = {"results": [{"ranks": 2, "links": ["sdma"], "single_copy": True, "points": [
+        {"op": "broadcast", "bytes": sizes[0], "times": {picks[0]: 100.0, other[0]: 150.0}},
+        {"op": "broadcast", "bytes": sizes[1], "times": {picks[1]: 200.0, other[1]: 100.0}}]}]}
+    lines, hits, points, mean, worst = replay.replay(model, tune, 0.10)
+    assert (hits, points, worst) == (1, 2, 2.0) and abs(mean - 2 ** 0.5) < 1e-9, lines

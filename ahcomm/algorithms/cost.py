@@ -47,7 +47,8 @@ rank spends per call beside its notifies and copies (checks, the pick, setting t
 CPU share as CPU (longer where ranks share cores) and the rest as latency, and leaves ``launch``
 out (every candidate pays it alike): on the Intel VM's tune sweep (48 points, np=2 and 4,
 2-64 MiB) the calibrated pick was within 10% of the fastest at 39 points either way, its worst
-1.65x the fastest against 2.93x (np=4 2 MiB broadcast: mesh, not ring).
+1.65x the fastest against 2.93x (np=4 2 MiB broadcast: mesh, not ring;
+``benchmarks/selection_replay.py``, results/2026-11-27-cpu-per-call.md).
 
 The numbers come from a calibration on the host (``ahcomm-bench calibrate``, cached in a JSON
 file) or, without one, from defaults fitted to sweeps on a 2-core x86 host. The same file
