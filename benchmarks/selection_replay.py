@@ -64,8 +64,12 @@ def main() -> None:
                    help="tune timings: compare.py's latest.json or ahcomm-bench tune --json (default: latest.json)")
     p.add_argument("--tolerance", type=float, default=0.10)
     args = p.parse_args()
-    data = json.loads(Path(args.tune).read_text())
-    lines, hits, points, mean, worst = replay(load_model(args.model), data.get("tune", data), args.tolerance)
+    try:
+        model = load_model(args.model)
+        data = json.loads(Path(args.tune).read_text())
+    except (OSError, ValueError) as exc:  # a missing or wrong file: say which, no traceback
+        p.error(str(exc))
+    lines, hits, points, mean, worst = replay(model, data.get("tune", data), args.tolerance)
     print("\n".join(lines))
     print(f"{hits} of {points} within {args.tolerance:.0%} of the fastest; pick / fastest: geometric mean "
           f"{mean:.3f}, worst {worst:.2f}")

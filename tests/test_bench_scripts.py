@@ -67,3 +67,9 @@ def test_the_selection_replay_scores_the_model_s_picks_against_the_timings() -> 
         {"op": "broadcast", "bytes": sizes[1], "times": {picks[1]: 200.0, other[1]: 100.0}}]}]}
     lines, hits, points, mean, worst = replay.replay(model, tune, 0.10)
     assert (hits, points, worst) == (1, 2, 2.0) and abs(mean - 2 ** 0.5) < 1e-9, lines
+
+
+def test_the_selection_replay_names_a_model_it_cannot_read() -> None:
+    done = subprocess.run([sys.executable, str(BENCHMARKS / "selection_replay.py"), "--model", "nothere.json"],
+                          capture_output=True, text=True, timeout=60, cwd=BENCHMARKS.parent)
+    assert done.returncode == 2 and "nothere.json" in done.stderr and "Traceback" not in done.stderr, done.stderr
