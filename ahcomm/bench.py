@@ -196,9 +196,10 @@ async def calibrate_rank(out_path: str) -> None:
             if nbytes <= CPU_CASE_BYTES and "sdma" in comm.topology.link_kinds:  # what fit_cpu reads
                 point["cpu"] = statistics.median([await cpu_per_call(case) for _ in range(CALIBRATION_REPEATS)])
             points.append(point)
+        cold = await cold_notify(comm) if "sdma" in comm.topology.link_kinds else 0.0
         if comm.rank == 0:
             with open(out_path, "w") as f:
-                json.dump({"points": points, "cores": usable_cores(),
+                json.dump({"points": points, "cores": usable_cores(), "cold_notify": cold,
                            "single_copy": comm.topology.single_copy}, f)
 
 
@@ -214,6 +215,45 @@ async def cpu_per_call(case: Case) -> float:
     mine = (time.process_time() - start) / CPU_CALLS
     total = await comm.all_reduce(np.array([mine]), "sum")
     return float(total[0]) / int(comm.size)
+
+
+COLD_CALLS = 50  # 8-byte broadcasts per timing of ``cold_notify`` (after 10 more to warm up)
+
+
+async def cold_notify(comm: Any) -> float:
+    """Rank 0's seconds more per 8-byte ring broadcast (one notify each way) when it has just
+    copied ``COLD_BYTES`` than when it has spun as long: the model's ``cold_notify`` (the median of
+    ``CALIBRATION_REPEATS`` pairs of timings; at least 0). Only rank 0's figure means anything."""
+    from .algorithms.cost import COLD_BYTES
+
+    src = np.ones(COLD_BYTES // 4, np.float32)
+    dst = src.copy()
+    start = time.perf_counter()
+    for _ in range(10):
+        np.copyto(dst, src)
+    copy = (time.perf_counter() - start) / 10
+    x = np.zeros(2, np.float32)
+    extra = []
+    for _ in range(CALIBRATION_REPEATS):
+        medians = []
+        for cold in (False, True):
+            await comm.barrier()
+            times = []
+            for i in range(COLD_CALLS + 10):
+                if comm.rank == 0:
+                    if cold:
+                        np.copyto(dst, src)
+                    else:  # as long, touching no memory: only the cache differs
+                        end = time.perf_counter() + copy
+                        while time.perf_counter() < end:
+                            pass
+                t0 = time.perf_counter()
+                await comm.broadcast(x, root=0, algorithm="ring")
+                if i >= 10:
+                    times.append(time.perf_counter() - t0)
+            medians.append(statistics.median(times))
+        extra.append(medians[1] - medians[0])
+    return max(0.0, statistics.median(extra))
 
 
 PROBE_BYTES = (32 << 20, 128 << 20)  # each memory-bound probe array: at least, at most
@@ -454,7 +494,7 @@ def calibrate() -> None:
     model = dataclasses.replace(_cost.CostModel(), gamma=gamma, copy=copy, engine=engine, copy_shared=shared,
                                 cores=cores, cache=cache, copy_hot=copy_hot, gamma_hot=gamma_hot, picks=picks)
     links, scales = dict(model.links), []
-    task_cpu = call_cpu = 0.0
+    task_cpu = call_cpu = cold = 0.0
     with tempfile.TemporaryDirectory() as tmp:
         for kind in ("sdma", "rdma"):
             out = os.path.join(tmp, f"{kind}.json")
@@ -470,13 +510,17 @@ def calibrate() -> None:
             scales.append(scale)
             if kind == "sdma":  # the notifies between ranks of a host, as the simulator's --cpu runs them
                 task_cpu, call_cpu = fit_cpu(measured["points"], bool(measured.get("single_copy")))
+                cold = float(measured.get("cold_notify", 0.0))
             print(f"{kind}: alpha {links[kind].alpha * 1e6:.1f} us, beta {1 / links[kind].beta / 1e9:.2f} GB/s "
                   f"(latency x{scale:.2f} of the defaults)")
     model = dataclasses.replace(model, links=links, task=model.task * float(np.mean(scales)), cores=cores,
-                                task_cpu=task_cpu, launch=call_cpu, source=f"calibrated {time.strftime('%Y-%m-%d')}")
+                                task_cpu=task_cpu, launch=call_cpu, cold_notify=cold,
+                                source=f"calibrated {time.strftime('%Y-%m-%d')}")
     cpu_part = f" ({model.notify_cpu * 1e6:.0f} us of it CPU)" if task_cpu > 0 else ""
     print(f"notify: {model.task * 1e6:.0f} us{cpu_part}"
-          + (f", a call's own CPU: {call_cpu * 1e6:.0f} us" if call_cpu > 0 else "") + f", cores: {cores}")
+          + (f", a call's own CPU: {call_cpu * 1e6:.0f} us" if call_cpu > 0 else "")
+          + (f", {cold * 1e6:.0f} us more after a {_cost.COLD_BYTES >> 20} MiB copy" if cold > 0 else "")
+          + f", cores: {cores}")
     print(f"saved {_cost.save(model)}" + (f" (with the {len(picks)} picks `ahcomm-bench tune` measured before)"
                                            if picks else ""))
 

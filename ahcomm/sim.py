@@ -32,6 +32,7 @@ from ._stream import ENGINE_THRESHOLD, NO_ENGINE, Stream
 from .algorithms import REGISTRY, Algorithm, Call, CostModel, LinkCost, Topology
 from .algorithms._executor import Executor, Progress
 from .algorithms._selection import Selector
+from .algorithms.cost import COLD_BYTES
 from .transports._simloop import Delay
 from .transports.base import Link
 from .transports.sim import INTER, INTRA, LinkParams, SimInterLink, SimIntraLink, SimLink, SimNetwork, VirtualLoop
@@ -165,7 +166,9 @@ class World:
                               cores=model.cores if cpu else 0, task=model.notify_cpu if host else 0.0,
                               engine=model.engine if host else 0.0,
                               engine_bytes=ENGINE_THRESHOLD if model.engines_at(here) else NO_ENGINE,
-                              crowd=model.crowd if host else 1.0, copy=model.copy if host else 0.0)
+                              crowd=model.crowd if host else 1.0, copy=model.copy if host else 0.0,
+                              # measured where every rank has a core: elsewhere the predictions are over already
+                              cold=model.cold_notify if host and here <= model.cores else 0.0, cold_bytes=COLD_BYTES)
         size = CHECK_BUFFSIZE if check else BUFFSIZE
         if check:
             self.buffers = [(np.zeros(size, np.uint8), np.zeros(size, np.uint8)) for _ in range(n)]

@@ -59,8 +59,9 @@ def calibrate(env: dict[str, str]) -> None:
 def describe(model: CostModel) -> str:
     return (f"sdma alpha {model.links['sdma'].alpha * 1e6:.1f} us, {1 / model.links['sdma'].beta / 1e9:.2f} GB/s; "
             f"copy {1 / model.copy / 1e9:.2f} GB/s (x{model.crowd:.2f} longer with every core copying), "
-            f"reduce {1 / model.gamma / 1e9:.2f} GB/s; notify {model.task * 1e6:.0f} us ({model.notify_cpu * 1e6:.0f} of "
-            f"CPU), a call's own CPU {model.launch * 1e6:.0f} us, engine hand-off "
+            f"reduce {1 / model.gamma / 1e9:.2f} GB/s; notify {model.task * 1e6:.0f} us "
+            f"({model.notify_cpu * 1e6:.0f} of CPU; {model.cold_notify * 1e6:.0f} us more after a 2 MiB copy), "
+            f"a call's own CPU {model.launch * 1e6:.0f} us, engine hand-off "
             f"{model.engine * 1e6:.0f} us; {model.cores} cores" + _in_cache(model))
 
 

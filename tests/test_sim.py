@@ -434,3 +434,5 @@ def test_calibrate_saves_the_cores_the_job_may_use(tmp_path: Path) -> None:
     # the CPU per notify and per call, from the small cases' CPU time (``fit_cpu``)
     assert 0 <= saved.task_cpu < 1e-3 and 0 <= saved.launch < 1e-3 and "notify:" in done.stdout, done.stdout
     assert {"task_cpu", "launch"} <= set(json.loads(path.read_text())), path.read_text()
+    # a notify after a 2 MiB copy, against one after as long a spin (``cold_notify``)
+    assert 0 <= saved.cold_notify < 1e-3 and "cold_notify" in json.loads(path.read_text())

@@ -3,6 +3,7 @@ call's own CPU, both from ``ahcomm-bench calibrate``'s CPU timings (``fit_cpu``)
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import math
@@ -15,6 +16,7 @@ from ahcomm.algorithms import REGISTRY, Call, Topology
 from ahcomm.algorithms.cost import CostModel, LinkCost
 from ahcomm.bench import fit_cpu
 from ahcomm.sim import simulate
+from ahcomm.transports.sim import ASLEEP, SimNetwork, VirtualLoop
 
 TWO = Topology(rank=0, size=2, hosts=("h",) * 2, link_kinds=("self", "sdma"), all_mapped=True, single_copy=True)
 CASES = (("ring", "all_reduce"), ("ring", "all_gather"), ("rhd", "all_reduce"), ("mesh", "all_reduce"),
@@ -76,11 +78,53 @@ def test_a_call_s_own_cpu_comes_before_its_first_task() -> None:
 
 
 def test_the_cpu_costs_travel_with_the_model() -> None:
-    model = dataclasses.replace(HOST, task_cpu=31e-6, launch=44e-6)
+    model = dataclasses.replace(HOST, task_cpu=31e-6, launch=44e-6, cold_notify=75e-6)
     back = CostModel.from_dict(json.loads(json.dumps(model.to_dict())))
-    assert (back.task_cpu, back.launch) == (31e-6, 44e-6)
-    old = {k: v for k, v in model.to_dict().items() if k not in ("task_cpu", "launch")}
-    assert (CostModel.from_dict(old).task_cpu, CostModel.from_dict(old).launch) == (0.0, 0.0)
+    assert (back.task_cpu, back.launch, back.cold_notify) == (31e-6, 44e-6, 75e-6)
+    old = {k: v for k, v in model.to_dict().items() if k not in ("task_cpu", "launch", "cold_notify")}
+    assert (CostModel.from_dict(old).task_cpu, CostModel.from_dict(old).launch,
+            CostModel.from_dict(old).cold_notify) == (0.0, 0.0, 0.0)
+
+
+def test_a_notify_after_a_cache_s_worth_of_copies_costs_more_where_it_wakes_a_sleeping_peer() -> None:
+    """``cold_notify``: a rank's first post after it moved ``COLD_BYTES`` costs that much more CPU,
+    pro rata below, where it wakes a peer idle for ``ASLEEP`` or longer. A 2-rank ring broadcast
+    of 2 MiB posts twice so (the root's DataSignal after its put wakes the waiting receiver, the
+    receiver's Ack after its copy out of the slot the waiting root): 2 x 80 us; of 1 MiB, half
+    that; of 8 bytes, nothing; of 4 MiB (two pieces) the same two, as the posts between them find
+    their peer at work. A ring all_reduce's ranks work at once: nothing. Not where ranks
+    outnumber cores, nor without --cpu."""
+    base = dataclasses.replace(HOST, task_cpu=HOST.task / 2)
+    cold = dataclasses.replace(base, cold_notify=80e-6)
+
+    def extra(op: str, size: int) -> float:
+        return (simulate(op, 2, 2, size, "ring", model=cold, cpu=True).time_us
+                - simulate(op, 2, 2, size, "ring", model=base, cpu=True).time_us)
+
+    for size, us in ((8, 0.0), (1 << 20, 80.0), (2 << 20, 160.0), (4 << 20, 160.0)):
+        assert math.isclose(extra("broadcast", size), us, abs_tol=0.5), (size, extra("broadcast", size))
+    assert math.isclose(extra("all_reduce", 2 << 20), 0.0, abs_tol=0.5)
+    assert (simulate("broadcast", 4, 4, 2 << 20, "ring", model=cold, cpu=True).time_us
+            == simulate("broadcast", 4, 4, 2 << 20, "ring", model=base, cpu=True).time_us)
+    assert (simulate("broadcast", 2, 2, 2 << 20, "ring", model=cold).time_us
+            == simulate("broadcast", 2, 2, 2 << 20, "ring", model=base).time_us)
+
+
+def test_a_post_pays_for_the_bytes_its_rank_moved_since_its_last_post_once() -> None:
+    loop = VirtualLoop()  # type: ignore[abstract]
+    net = SimNetwork(loop, 2, {}, cores=2, task=20e-6, cold=80e-6, cold_bytes=2 << 20)
+    loop.at(ASLEEP, lambda: None)
+    loop.run_until_complete(asyncio.sleep(ASLEEP))  # both ranks idle since 0: asleep now
+    assert net.post_cpu(0, 1) == 10e-6
+    net.moved[0], net.moved[1] = 1 << 20, 4 << 20
+    assert math.isclose(net.post_cpu(0, 1), 50e-6) and net.post_cpu(0, 1) == 10e-6  # half of cold, then warm
+    net.threads[0] = loop.now - ASLEEP / 2  # rank 0 worked until just now: not asleep
+    assert net.post_cpu(1, 0) == 10e-6 and not net.moved  # the bytes count once, woken or not
+    net.memory(0, 4 << 20, 1e-4)
+    assert net.moved == {0: 4 << 20}
+    plain = SimNetwork(loop, 2, {}, cores=2, task=20e-6)
+    plain.memory(0, 4 << 20, 1e-4)
+    assert plain.post_cpu(0, 1) == 10e-6 and not plain.moved
 
 
 def test_hierarchical_pricing_takes_a_notify_s_cpu_share_too() -> None:

@@ -43,7 +43,10 @@ bytes that half the cache holds at those rates and the rest at memory's (``cache
 The simulator (``ahcomm-sim --cpu``) also charges CPU where ranks share cores: of a notify's
 ``task``, ``task_cpu`` is CPU work (the rest makes it land later), and ``launch`` is CPU each
 rank spends per call beside its notifies and copies (checks, the pick, setting the run up).
-``calibrate`` measures both from the CPU time of its small cases. The selector prices a notify's
+``calibrate`` measures both from the CPU time of its small cases. Where every rank has a core,
+a rank's first notify after it moved ``COLD_BYTES`` through its cache costs ``cold_notify``
+more CPU (pro rata below that) where it wakes a sleeping peer: the wake-up's system call and
+the event loop's next steps run from a cold cache (results/2026-11-27-cold-notify.md). The selector prices a notify's
 CPU share as CPU (longer where ranks share cores) and the rest as latency, and leaves ``launch``
 out (every candidate pays it alike): on the Intel VM's tune sweep (48 points, np=2 and 4,
 2-64 MiB) the calibrated pick was within 10% of the fastest at 39 points either way, its worst
@@ -91,6 +94,10 @@ STAGED = 0.5
 # at once): 4 MiB read in 0.28-0.34 ms against a local copy's 0.12-0.14, 16 MiB 2.3-2.9 against
 # 1.7-2.6 (0.02-0.05 ns a byte).
 PIN = 0.035e-9
+# Bytes a rank moves (copies, reductions, puts) that leave its next notify's work with a cold cache
+# (``CostModel.cold_notify``): about twice a core's L2. On the Intel VM a pipe write that wakes a
+# peer took 12 us, 24 after a 1 MiB copy, 38 after a 2 MiB one (results/2026-11-27-cold-notify.md).
+COLD_BYTES = 2 << 20
 
 
 @dataclass(frozen=True)
@@ -124,6 +131,7 @@ class CostModel:
     # What ``ahcomm-sim --cpu`` charges as CPU work (``calibrate`` measures both; 0: not measured):
     task_cpu: float = 0.0  # of ``task``, the seconds of CPU (the rest is latency); 0: all of it
     launch: float = 0.0  # CPU seconds a rank spends per call beside its notifies and copies
+    cold_notify: float = 0.0  # CPU seconds more for a notify after ``COLD_BYTES`` that wakes a peer (simulator)
     picks: tuple[MeasuredPick, ...] = ()  # fastest algorithms measured here (``ahcomm-bench tune``)
 
     def measured(self, call: Call, topo: Topology) -> MeasuredPick | None:
@@ -268,7 +276,7 @@ class CostModel:
                 "gamma": self.gamma, "copy": self.copy, "task": self.task, "engine": self.engine, "cores": self.cores,
                 "copy_shared": self.copy_shared, "cache": self.cache, "copy_hot": self.copy_hot,
                 "gamma_hot": self.gamma_hot, "staged": self.staged, "task_cpu": self.task_cpu,
-                "launch": self.launch, "source": self.source,
+                "launch": self.launch, "cold_notify": self.cold_notify, "source": self.source,
                 "picks": [p.to_dict() for p in self.picks]}
 
     @classmethod
@@ -291,7 +299,7 @@ class CostModel:
                    cache=int(data.get("cache", 0) or 0), copy_hot=float(data.get("copy_hot", 0.0)),
                    gamma_hot=float(data.get("gamma_hot", 0.0)), staged=float(data.get("staged", STAGED)),
                    task_cpu=float(data.get("task_cpu", 0.0)), launch=float(data.get("launch", 0.0)),
-                   picks=picks)
+                   cold_notify=float(data.get("cold_notify", 0.0)), picks=picks)
 
 
 def cache_path() -> Path:

@@ -27,6 +27,9 @@ from .base import MAX_CONTROL, Link, MemoryRunner, MessageKey, as_bytes
 __all__ = ["INTER", "INTRA", "Delay", "LinkParams", "SimDeadlock", "SimLink", "SimNetwork", "VirtualLoop"]
 
 INTRA, INTER = "sdma", "rdma"  # the link kinds the algorithms see: inside a server, between servers
+# Seconds from which an idle rank sleeps (``SimNetwork.post_cpu``): on the Intel VM a pipe round
+# trip to a peer idle 100 us took 67 us, 76 at 150 us, 84 at 200 us and longer (its CPU halts).
+ASLEEP = 100e-6
 
 
 @dataclass(frozen=True)
@@ -57,6 +60,9 @@ class SimNetwork:
     copy: float = 0.0  # CPU seconds per byte of an sdma put (a copy into the peer's mapped buffer; 0: beta)
     copying: dict[int, list[float]] = field(default_factory=dict)  # server -> end times of its running copies
     threads: dict[int, float] = field(default_factory=dict)  # rank -> when its event loop's thread is free
+    cold: float = 0.0  # CPU seconds more for a rank's first post after it moved cold_bytes (with cores)
+    cold_bytes: int = 1 << 62  # bytes of memory work that leave a rank's cache cold (set with cold)
+    moved: dict[int, int] = field(default_factory=dict)  # rank -> bytes of memory work since its last post
 
     def cpu(self, rank: int, span: float, memory: bool = False, fixed: float = 0.0, engine: bool = False) -> float:
         """Run ``fixed + span`` seconds of work on one of ``rank``'s server's CPUs, from now or
@@ -106,7 +112,21 @@ class SimNetwork:
         the event loop's, CPU work on the same server: where ranks outnumber cores it waits for
         one like the copy)."""
         handed = nbytes >= self.engine_bytes
+        if self.cold:
+            self.moved[rank] = self.moved.get(rank, 0) + nbytes
         return self.cpu(rank, span, memory=True, fixed=self.engine if handed else 0.0, engine=handed)
+
+    def post_cpu(self, rank: int, peer: int) -> float:
+        """The CPU seconds of ``rank``'s half of a post to ``peer``: half of ``task``, plus ``cold``
+        (pro rata up to ``cold_bytes``) where it is the rank's first post since it moved memory
+        and it wakes a sleeping peer (its event loop's thread idle for ``ASLEEP`` or longer).
+        Traced at 2 ranks on 2 cores: a ring broadcast's posts, which wake a peer idle for
+        140-230 us, 17.5 us at 8 B and 51 at 2 MiB; a ring all_reduce's, whose peer is at work
+        or just idle, 3.3 and 8-11 (results/2026-11-27-cold-notify.md)."""
+        moved = self.moved.pop(rank, 0) if self.cold else 0
+        if not moved or self.loop.now - self.threads.get(peer, 0.0) < ASLEEP:
+            return self.task / 2
+        return self.task / 2 + self.cold * min(1.0, moved / self.cold_bytes)
 
     def kind(self, a: int, b: int) -> str:
         return INTRA if a // self.ranks_per_server == b // self.ranks_per_server else INTER
@@ -151,7 +171,7 @@ class SimLink(Link):
         net = self.net
         net.posts += 1
         if net.task:  # half the post's CPU work here, half at the receiver when it lands (its wake-up)
-            sent = net.cpu(self.rank, net.task / 2)
+            sent = net.cpu(self.rank, net.post_cpu(self.rank, self.peer))
             net.loop.at(sent + self.alpha, self._land, signal, index, seq, value, fingerprint)
             if sent > net.loop.now:  # the posting stream is busy for its half
                 return net.loop.delay(sent)  # type: ignore[return-value]
