@@ -54,6 +54,7 @@ from ._errors import CommClosedError, CommSuspendedError, InvalidArgument, check
 from ._flight import FlightRecorder
 from ._health import Health, mark
 from ._objects import ObjectCollectives
+from ._outputs import Results
 from ._p2p import PointToPoint
 from ._sync import ThreadsafeCalls
 from .algorithms._executor import Executor, Progress
@@ -120,10 +121,12 @@ class Comm(ThreadsafeCalls, BlockedCollectives, ObjectCollectives, PointToPoint)
             self.world_ranks: tuple[int, ...] = tuple(range(size))  # the first communicator's rank of each member
             self.parent_ranks: tuple[int, ...] = self.world_ranks  # the parent's rank of each member
             self._domains = _groups.Domains()
+            self._results = Results()  # results handed out again once dropped (``_outputs``)
         else:
             self.parent_ranks = tuple(members)
             self.world_ranks = tuple(parent.world_ranks[p] for p in self.parent_ranks)
             self._domains = parent._domains  # one process's connections: domain numbers are shared
+            self._results = parent._results
             if child:
                 parent._children.append(self)
         self._health = health = Health(self, self._executor, self._flight)  # failures: mismatch, timeout, loss
@@ -382,7 +385,7 @@ class Comm(ThreadsafeCalls, BlockedCollectives, ObjectCollectives, PointToPoint)
 
     def _output(self, op: str, out: np.ndarray | None, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
         if out is None:
-            return np.empty(shape, dtype)
+            return self._results.take(shape, dtype)
         if not isinstance(out, np.ndarray):
             raise InvalidArgument(f"{op}: out must be a numpy array, got {type(out).__name__}")
         if tuple(out.shape) != tuple(shape) or out.dtype != dtype:
@@ -395,7 +398,9 @@ class Comm(ThreadsafeCalls, BlockedCollectives, ObjectCollectives, PointToPoint)
     async def _work(self) -> None:
         loop = asyncio.get_running_loop()
         health = self._health
+        job: Job | None = None
         while True:
+            job = None  # the last call's result is its caller's alone now (``_outputs.Results`` reuses it)
             while not self._queue:
                 self._wakeup = loop.create_future()
                 await self._wakeup
@@ -513,9 +518,10 @@ class Comm(ThreadsafeCalls, BlockedCollectives, ObjectCollectives, PointToPoint)
         ``suspended`` and ``released_bytes``/``unmapped_bytes``: what the last ``suspend`` freed of this
         rank's own memory and unmapped of its peers' shared memory; ``paths``: runs per path where an
         algorithm has several (``direct.single_copy``: reads of peers' user buffers, ``direct.staged``:
-        its fallback through the mailboxes)."""
+        its fallback through the mailboxes); ``results_reused``: results (calls without ``out=``) given
+        memory of an earlier result its caller had dropped (``AHCOMM_RESULT_CACHE_MB``)."""
         return {"rank": self.rank, "size": self.size, "seq": self._seq, "single_copy": self.topology.single_copy,
-                "paths": dict(self._executor.paths),
+                "paths": dict(self._executor.paths), "results_reused": self._results.reused,
                 "links": self._executor.link_stats(), "endpoint": self._executor.endpoint_stats(),
                 **_suspend.stats(self)}
 
@@ -556,6 +562,8 @@ class Comm(ThreadsafeCalls, BlockedCollectives, ObjectCollectives, PointToPoint)
         if self._loop is not None:
             _flight.unwatch(self, self._loop)
         await self._executor.close()
+        if self._parent is None:
+            self._results.clear()
         if self._parent is not None and self in self._parent._children:
             self._parent._children.remove(self)
         if self._on_close is not None:

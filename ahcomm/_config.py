@@ -172,6 +172,7 @@ class Config:
         buff_mb = _float(env, "AHCOMM_BUFFSIZE", 64.0)
         _flag(env, "AHCOMM_NT_STORES", True)  # read by _memcopy at the first large call: named here, at init
         _flag(env, "AHCOMM_SHM_NOTIFY", True)  # read by the link endpoint (transports._notify_ring.usable)
+        _float(env, "AHCOMM_RESULT_CACHE_MB", 256.0, allow_zero=True, high=1 << 20)  # read by _outputs.Results
         transport = env.get("AHCOMM_TRANSPORT", "auto").strip().lower() or "auto"
         if transport not in ("auto", "sdma", "rdma"):
             raise ConfigError(f"AHCOMM_TRANSPORT={transport!r}: expected auto, sdma or rdma")

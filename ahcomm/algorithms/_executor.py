@@ -225,6 +225,8 @@ class Executor:
                 await algorithm.orchestrate(ctx)
             finally:
                 self._ctx = None
+        for stream in (self.main, *subs):  # the run is over: its context (the caller's arrays) is not kept
+            stream.on_error = None
         for link in self._unmapped:
             await link.flush()
         self._report(call, communicated=True, exchanged=algorithm.exchanged(call),

@@ -1,0 +1,84 @@
+"""Results a communicator allocates, handed out again once their user has let go of them.
+
+A call without ``out=`` returns a new array. Above glibc's largest mmap threshold (32 MiB)
+every such array is fresh memory from the kernel, whose first write takes a page fault per
+4 KiB page: on the 2-core Intel VM a 2-rank all_reduce took 23 ms a call at 64 MiB and 47.7 at
+128 MiB so, against 17 and 34 into the same ``out=`` each time; with ``Results``, 18 and 35.
+PyTorch's and CuPy's caching allocators answer the same cost the same way.
+
+``Results`` keeps the arrays it made (``MIN_BYTES`` or more, up to ``AHCOMM_RESULT_CACHE_MB`` in
+all, the oldest forgotten first) and gives one out again for a result of the same size once
+nothing else refers to it: the caller dropped the result and every view of it (a view keeps
+its base alive). A result the caller still holds, or that a call in flight writes, is never
+handed out twice. (A loop that makes its next call in the same step as it drops the last
+result alternates between two arrays: until the loop's task yields, asyncio's completed
+future still holds the last one.)
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+from collections import deque
+
+import numpy as np
+
+from ._config import MiB, _float
+
+MIN_BYTES = 1 << 20  # smaller results come from malloc's own free lists: no fresh pages to fault in
+DEFAULT_MB = 256.0
+_refcount = getattr(sys, "getrefcount", None)  # CPython's; without it nothing is kept
+
+
+def _holders(kept: deque[np.ndarray], i: int) -> int:
+    """References to ``kept[i]``: the deque's, this frame's, ``getrefcount``'s own and its users'."""
+    buf = kept[i]
+    return int(_refcount(buf)) if _refcount is not None else 1 << 30
+
+
+_FREE = _holders(deque([np.empty(8, np.uint8)]), 0)  # a kept array nobody else holds
+
+
+def cache_bytes(env: dict[str, str] | None = None) -> int:
+    """AHCOMM_RESULT_CACHE_MB (default ``DEFAULT_MB``; 0 keeps nothing) in bytes."""
+    return int(_float(os.environ if env is None else env, "AHCOMM_RESULT_CACHE_MB", DEFAULT_MB, allow_zero=True,
+                      high=1 << 20) * MiB)
+
+
+class Results:
+    """A communicator's (and its sub-communicators') kept result arrays."""
+
+    def __init__(self, limit: int | None = None) -> None:
+        self.limit = cache_bytes() if limit is None else limit
+        self._kept: deque[np.ndarray] = deque()  # uint8 arrays, oldest first
+        self._bytes = 0
+        self.reused = 0  # results handed out again (``stats()``)
+        self._lock = threading.Lock()  # calls may come from several threads (``_sync``)
+
+    def take(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+        """An uninitialized array of ``shape`` and ``dtype``: a kept one nobody holds, else new."""
+        dtype = np.dtype(dtype)
+        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        if nbytes < MIN_BYTES or nbytes > self.limit or dtype.hasobject or _refcount is None:
+            return np.empty(shape, dtype)
+        with self._lock:
+            kept = self._kept
+            for i in range(len(kept)):
+                if kept[i].nbytes == nbytes and _holders(kept, i) <= _FREE:
+                    buf = kept[i]
+                    del kept[i]  # by position: an array's == compares elements
+                    kept.append(buf)  # the most recently used last
+                    self.reused += 1
+                    return buf.view(dtype).reshape(shape)
+            buf = np.empty(nbytes, np.uint8)
+            self._kept.append(buf)
+            self._bytes += nbytes
+            while self._bytes > self.limit:
+                self._bytes -= self._kept.popleft().nbytes  # a dropped array lives on while its user holds it
+            return buf.view(dtype).reshape(shape)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._kept.clear()
+            self._bytes = 0
