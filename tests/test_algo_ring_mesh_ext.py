@@ -17,6 +17,7 @@ import pytest
 
 import ahcomm
 from ahcomm.algorithms import REGISTRY, Call, Topology
+from ahcomm.algorithms.mesh import SCRATCH_BYTES
 
 from support.inproc import busy_flags
 from support.numerics import assert_close, reduce_ref
@@ -251,3 +252,33 @@ def test_registry_and_mesh_needs_mapped_links() -> None:
     assert not mesh.select(call, topo)
     assert mesh.select(call, Topology(rank=0, size=2, hosts=("a", "a"), link_kinds=("self", "sdma"),
                                       all_mapped=True))
+
+
+@pytest.mark.parametrize("size", [2, 3, 4])
+@pytest.mark.parametrize("dtype, op", [(np.float32, "sum"), (np.float64, "max"), (np.int32, "prod")])
+async def test_mesh_single_copy_all_reduce_streams_a_large_output_out(size: int, dtype: Any, op: str,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """Out of place into an output the cache should not keep (``Context.stream_output``, here for
+    every size), a rank reduces each piece of its share in the scratch and streams it out: one
+    peer reduces into the piece read, two or more into a second piece. Pieces of 1 MiB and an odd
+    tail; in place takes the other path; the inputs stay as they were."""
+    monkeypatch.setattr("ahcomm.algorithms.base.streams", lambda nbytes: True)
+    rng = np.random.default_rng(size)
+    count = size * (SCRATCH_BYTES // np.dtype(dtype).itemsize) + 7
+    xs = [(rng.integers(1, 3, count) if np.dtype(dtype).kind == "i" else rng.standard_normal(count)).astype(dtype)
+          for _ in range(size)]
+    copies = [x.copy() for x in xs]
+    want = reduce_ref(xs, op)
+
+    async def body(comm: ahcomm.Comm) -> tuple[np.ndarray, np.ndarray, dict[str, int]]:
+        out = await comm.all_reduce(xs[comm.rank], op, algorithm="mesh")
+        inplace = xs[comm.rank].copy()
+        await comm.all_reduce(inplace, op, out=inplace, algorithm="mesh")
+        return out, inplace, comm.stats()["paths"]
+
+    for out, inplace, paths in await run_job(size, body, buffsize=4 << 20):
+        assert_close(out, want)
+        assert_close(inplace, want)
+        assert paths.get("copy.non_temporal") == 1, paths  # the out-of-place call only
+    for x, orig in zip(xs, copies):
+        np.testing.assert_array_equal(x, orig)

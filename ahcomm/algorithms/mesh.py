@@ -28,6 +28,7 @@ from typing import ClassVar
 
 import numpy as np
 
+from .._memcopy import copy
 from .._stream import Stream
 from ..transports.base import Signal
 from ._mesh_whole import OPS as WHOLE_OPS
@@ -288,16 +289,25 @@ class Mesh(Algorithm):
         _exchange(ctx, Signal.DATA, SC_DATA, value=src.ctypes.data)
         a, b = chunks[r]
         peers = [(ctx.links[p], p) for p in range(n) if p != r]
-        step = max(1, aligned(min(SCRATCH_BYTES, ctx.ccl_out.nbytes), item) // item)
+        # Out of place into a large output: reduce in cache and stream each piece out, so that the
+        # output's lines are not read before they are written (np=2 64 MiB: the reduction took
+        # 10.0 ms writing the output directly against 6.4 in place; results/2026-11-27-result-reuse.md)
+        streamed = src is not dst and ctx.stream_output()
+        pieces = 2 if streamed and len(peers) > 1 else 1  # several peers: a second piece accumulates
+        step = max(1, aligned(min(SCRATCH_BYTES, ctx.ccl_out.nbytes // pieces), item) // item)
         scratch = ctx.typed(ctx.ccl_out, 0, min(step, b - a))
+        acc = ctx.typed(ctx.ccl_out, step * item, min(step, b - a)) if pieces == 2 else scratch
 
         def reduce_share() -> None:  # one engine task: no event-loop round trip per piece
             for lo in range(a, b, step):
                 hi = min(lo + step, b)
                 tmp = scratch[:hi - lo]
+                out = acc[:hi - lo] if streamed else dst[lo:hi]
                 for i, (link, p) in enumerate(peers):
                     link.read(tmp, ctx.posted(p, Signal.DATA, SC_DATA) + lo * item, _inline)
-                    ufunc(src[lo:hi] if i == 0 else dst[lo:hi], tmp, out=dst[lo:hi])
+                    ufunc(src[lo:hi] if i == 0 else out, tmp, out=out)
+                if streamed:
+                    copy(dst[lo:hi], out, stream=True)
 
         ctx.main.submit(lambda: ctx.main.memory(lambda _d: reduce_share(), dst[a:b]))
         _exchange(ctx, Signal.DATA, SC_RESULT, value=dst.ctypes.data)
