@@ -519,9 +519,11 @@ class Comm(ThreadsafeCalls, BlockedCollectives, ObjectCollectives, PointToPoint)
         rank's own memory and unmapped of its peers' shared memory; ``paths``: runs per path where an
         algorithm has several (``direct.single_copy``: reads of peers' user buffers, ``direct.staged``:
         its fallback through the mailboxes); ``results_reused``: results (calls without ``out=``) given
-        memory of an earlier result its caller had dropped (``AHCOMM_RESULT_CACHE_MB``)."""
+        memory of an earlier result its caller had dropped, and ``results_kept_bytes`` the bytes kept
+        for that (``AHCOMM_RESULT_CACHE_MB``; shared with the communicator's parent and children)."""
         return {"rank": self.rank, "size": self.size, "seq": self._seq, "single_copy": self.topology.single_copy,
                 "paths": dict(self._executor.paths), "results_reused": self._results.reused,
+                "results_kept_bytes": self._results.kept_bytes,
                 "links": self._executor.link_stats(), "endpoint": self._executor.endpoint_stats(),
                 **_suspend.stats(self)}
 
@@ -562,8 +564,7 @@ class Comm(ThreadsafeCalls, BlockedCollectives, ObjectCollectives, PointToPoint)
         if self._loop is not None:
             _flight.unwatch(self, self._loop)
         await self._executor.close()
-        if self._parent is None:
-            self._results.clear()
+        self._results.clear()  # shared with the parent or a child still open: they keep no more than what they make
         if self._parent is not None and self in self._parent._children:
             self._parent._children.remove(self)
         if self._on_close is not None:

@@ -93,7 +93,7 @@ def _float(env: Mapping[str, str], name: str, default: float, *, low: float = 0.
         out = float(value)  # type: ignore[arg-type]
     except ValueError:
         raise ConfigError(f"{name}={value!r} is not a number") from None
-    if out < low or (out == 0 and not allow_zero) or (high is not None and out > high):
+    if out != out or out < low or (out == 0 and not allow_zero) or (high is not None and out > high):  # NaN too
         limits = f"between 0 (off) and {high:g}" if allow_zero and high is not None else "positive"
         raise ConfigError(f"{name}={value!r} must be {limits}")
     return out

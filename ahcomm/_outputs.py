@@ -17,6 +17,7 @@ future still holds the last one.)
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 import threading
@@ -37,7 +38,7 @@ def _holders(kept: deque[np.ndarray], i: int) -> int:
     return int(_refcount(buf)) if _refcount is not None else 1 << 30
 
 
-_FREE = _holders(deque([np.empty(8, np.uint8)]), 0)  # a kept array nobody else holds
+_SENTINEL = deque([np.empty(8, np.uint8)])  # an array nobody else holds: its count is the baseline
 
 
 def cache_bytes(env: dict[str, str] | None = None) -> int:
@@ -47,7 +48,10 @@ def cache_bytes(env: dict[str, str] | None = None) -> int:
 
 
 class Results:
-    """A communicator's (and its sub-communicators') kept result arrays."""
+    """A communicator's (and its sub-communicators') kept result arrays: ``AHCOMM_RESULT_CACHE_MB``
+    for each communicator made by ``init`` (every group, split or shrink shares its parent's).
+    A result is a view of a kept array: its ``base`` is that array and it owns no data (``resize``
+    refuses it), as any view of numpy's."""
 
     def __init__(self, limit: int | None = None) -> None:
         self.limit = cache_bytes() if limit is None else limit
@@ -59,13 +63,16 @@ class Results:
     def take(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
         """An uninitialized array of ``shape`` and ``dtype``: a kept one nobody holds, else new."""
         dtype = np.dtype(dtype)
-        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        nbytes = math.prod(shape) * dtype.itemsize
         if nbytes < MIN_BYTES or nbytes > self.limit or dtype.hasobject or _refcount is None:
             return np.empty(shape, dtype)
         with self._lock:
             kept = self._kept
+            # measured now, as the kept arrays are: a tracer that reads frames' locals adds a
+            # reference to each alike (a baseline taken once, at import under one, was too high)
+            free = _holders(_SENTINEL, 0)
             for i in range(len(kept)):
-                if kept[i].nbytes == nbytes and _holders(kept, i) <= _FREE:
+                if kept[i].nbytes == nbytes and _holders(kept, i) <= free:
                     buf = kept[i]
                     del kept[i]  # by position: an array's == compares elements
                     kept.append(buf)  # the most recently used last
@@ -78,7 +85,16 @@ class Results:
                 self._bytes -= self._kept.popleft().nbytes  # a dropped array lives on while its user holds it
             return buf.view(dtype).reshape(shape)
 
-    def clear(self) -> None:
+    @property
+    def kept_bytes(self) -> int:
+        """Bytes of the arrays kept (some may still be held by their callers)."""
+        return self._bytes
+
+    def clear(self) -> int:
+        """Forget every kept array; the bytes freed so (the arrays callers hold live on)."""
         with self._lock:
-            self._kept.clear()
+            kept, free = self._kept, _holders(_SENTINEL, 0)
+            freed = sum(kept[i].nbytes for i in range(len(kept)) if _holders(kept, i) <= free)
+            kept.clear()
             self._bytes = 0
+            return freed

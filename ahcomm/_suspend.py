@@ -52,6 +52,7 @@ from ._errors import (
     UsageError,
 )
 from ._health import Health
+from ._outputs import Results
 from .algorithms._executor import Executor
 from .algorithms.base import Topology
 from .transports._host_mailbox import HostMailbox
@@ -66,6 +67,7 @@ class Suspendable(Protocol):
     size: int
     topology: Topology
     _executor: Executor
+    _results: Results
     _health: Health
     _closed: bool
     _suspended: bool
@@ -215,6 +217,7 @@ def _conclude(comm: Suspendable, flags: np.ndarray) -> None:
         if not state.own_mailbox:
             state.own_mailbox = True
             _close_own_mailbox(comm)
+    released += comm._results.clear()  # results kept to be handed out again (``_outputs``)
     state.released, state.unmapped = released, unmapped
 
 

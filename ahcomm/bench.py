@@ -223,36 +223,38 @@ COLD_CALLS = 50  # 8-byte broadcasts per timing of ``cold_notify`` (after 10 mor
 async def cold_notify(comm: Any) -> float:
     """Rank 0's seconds more per 8-byte ring broadcast (one notify each way) when it has just
     copied ``COLD_BYTES`` than when it has spun as long: the model's ``cold_notify`` (the median of
-    ``CALIBRATION_REPEATS`` pairs of timings; at least 0). Only rank 0's figure means anything."""
+    ``CALIBRATION_REPEATS`` pairs of timings, in alternating order; at least 0). Either way rank 0
+    starts the call at least ``ASLEEP`` after the last, so the peer it wakes sleeps, as the
+    simulator charges it. Only rank 0's figure means anything."""
     from .algorithms.cost import COLD_BYTES
+    from .transports.sim import ASLEEP
 
     src = np.ones(COLD_BYTES // 4, np.float32)
     dst = src.copy()
     start = time.perf_counter()
     for _ in range(10):
         np.copyto(dst, src)
-    copy = (time.perf_counter() - start) / 10
+    pause = max((time.perf_counter() - start) / 10, ASLEEP)
     x = np.zeros(2, np.float32)
     extra = []
-    for _ in range(CALIBRATION_REPEATS):
-        medians = []
-        for cold in (False, True):
+    for repeat in range(CALIBRATION_REPEATS):
+        medians = {}
+        for cold in ((False, True) if repeat % 2 == 0 else (True, False)):
             await comm.barrier()
             times = []
             for i in range(COLD_CALLS + 10):
                 if comm.rank == 0:
+                    end = time.perf_counter() + pause
                     if cold:
                         np.copyto(dst, src)
-                    else:  # as long, touching no memory: only the cache differs
-                        end = time.perf_counter() + copy
-                        while time.perf_counter() < end:
-                            pass
+                    while time.perf_counter() < end:  # the rest of the pause touching no memory
+                        pass
                 t0 = time.perf_counter()
                 await comm.broadcast(x, root=0, algorithm="ring")
                 if i >= 10:
                     times.append(time.perf_counter() - t0)
-            medians.append(statistics.median(times))
-        extra.append(medians[1] - medians[0])
+            medians[cold] = statistics.median(times)
+        extra.append(medians[True] - medians[False])
     return max(0.0, statistics.median(extra))
 
 

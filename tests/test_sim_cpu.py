@@ -93,7 +93,7 @@ def test_a_notify_after_a_cache_s_worth_of_copies_costs_more_where_it_wakes_a_sl
     receiver's Ack after its copy out of the slot the waiting root): 2 x 80 us; of 1 MiB, half
     that; of 8 bytes, nothing; of 4 MiB (two pieces) the same two, as the posts between them find
     their peer at work. A ring all_reduce's ranks work at once: nothing. Not where ranks
-    outnumber cores, nor without --cpu."""
+    outnumber cores, nor between servers, nor after a copy engine's copies, nor without --cpu."""
     base = dataclasses.replace(HOST, task_cpu=HOST.task / 2)
     cold = dataclasses.replace(base, cold_notify=80e-6)
 
@@ -108,6 +108,13 @@ def test_a_notify_after_a_cache_s_worth_of_copies_costs_more_where_it_wakes_a_sl
             == simulate("broadcast", 4, 4, 2 << 20, "ring", model=base, cpu=True).time_us)
     assert (simulate("broadcast", 2, 2, 2 << 20, "ring", model=cold).time_us
             == simulate("broadcast", 2, 2, 2 << 20, "ring", model=base).time_us)
+    # nor between servers (the probe wakes a peer of its host), nor for copies a copy engine makes
+    # (2 ranks on 4 cores: the probe copies on the event loop's thread)
+    assert (simulate("broadcast", 2, 1, 2 << 20, "ring", model=cold, cpu=True).time_us
+            == simulate("broadcast", 2, 1, 2 << 20, "ring", model=base, cpu=True).time_us)
+    four = dataclasses.replace(base, cores=4)
+    assert (simulate("broadcast", 2, 2, 2 << 20, "ring", model=dataclasses.replace(four, cold_notify=80e-6),
+                     cpu=True).time_us == simulate("broadcast", 2, 2, 2 << 20, "ring", model=four, cpu=True).time_us)
 
 
 def test_a_post_pays_for_the_bytes_its_rank_moved_since_its_last_post_once() -> None:

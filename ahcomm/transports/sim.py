@@ -112,19 +112,20 @@ class SimNetwork:
         the event loop's, CPU work on the same server: where ranks outnumber cores it waits for
         one like the copy)."""
         handed = nbytes >= self.engine_bytes
-        if self.cold:
+        if self.cold and not handed:  # on the event loop's thread, through its core's cache (as calibrated)
             self.moved[rank] = self.moved.get(rank, 0) + nbytes
         return self.cpu(rank, span, memory=True, fixed=self.engine if handed else 0.0, engine=handed)
 
-    def post_cpu(self, rank: int, peer: int) -> float:
+    def post_cpu(self, rank: int, peer: int, kind: str = INTRA) -> float:
         """The CPU seconds of ``rank``'s half of a post to ``peer``: half of ``task``, plus ``cold``
-        (pro rata up to ``cold_bytes``) where it is the rank's first post since it moved memory
-        and it wakes a sleeping peer (its event loop's thread idle for ``ASLEEP`` or longer).
+        (pro rata up to ``cold_bytes``) where it is the rank's first post since it moved memory on
+        its event loop's thread and it wakes a sleeping peer of its server (the peer's event loop
+        idle for ``ASLEEP`` or longer), as ``calibrate`` measures it.
         Traced at 2 ranks on 2 cores: a ring broadcast's posts, which wake a peer idle for
         140-230 us, 17.5 us at 8 B and 51 at 2 MiB; a ring all_reduce's, whose peer is at work
         or just idle, 3.3 and 8-11 (results/2026-11-27-cold-notify.md)."""
         moved = self.moved.pop(rank, 0) if self.cold else 0
-        if not moved or self.loop.now - self.threads.get(peer, 0.0) < ASLEEP:
+        if not moved or kind != INTRA or self.loop.now - self.threads.get(peer, 0.0) < ASLEEP:
             return self.task / 2
         return self.task / 2 + self.cold * min(1.0, moved / self.cold_bytes)
 
@@ -171,7 +172,7 @@ class SimLink(Link):
         net = self.net
         net.posts += 1
         if net.task:  # half the post's CPU work here, half at the receiver when it lands (its wake-up)
-            sent = net.cpu(self.rank, net.post_cpu(self.rank, self.peer))
+            sent = net.cpu(self.rank, net.post_cpu(self.rank, self.peer, self.kind))
             net.loop.at(sent + self.alpha, self._land, signal, index, seq, value, fingerprint)
             if sent > net.loop.now:  # the posting stream is busy for its half
                 return net.loop.delay(sent)  # type: ignore[return-value]
