@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import difflib
+import logging
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -13,6 +15,36 @@ from ._torchrun import agent_store
 
 MiB = 1 << 20
 MIN_SECRET = 16  # characters of AHCOMM_JOB_SECRET
+# Every AHCOMM_* variable ahcomm reads (tests/test_docs.py checks the list against the code), and
+# the two its own test and benchmark tools read. Any other is named in a warning at init: a
+# misspelt one was ignored without a word.
+KNOWN_VARS = frozenset({
+    "AHCOMM_ALGO", "AHCOMM_BIND", "AHCOMM_BUFFSIZE", "AHCOMM_CONNECT_TIMEOUT", "AHCOMM_COPY_ENGINE",
+    "AHCOMM_CORES", "AHCOMM_DIRECT_THREADS", "AHCOMM_ENCRYPT", "AHCOMM_EXEC_TIMEOUT", "AHCOMM_FLIGHT_DIR",
+    "AHCOMM_FLIGHT_ENTRIES", "AHCOMM_HEARTBEAT", "AHCOMM_IF_IP", "AHCOMM_INSECURE", "AHCOMM_JOB_SECRET",
+    "AHCOMM_LOCAL_RANK", "AHCOMM_LOCAL_WORLD_SIZE", "AHCOMM_MAILBOX_BYTES", "AHCOMM_MASTER_ADDR",
+    "AHCOMM_MASTER_PORT", "AHCOMM_MAX_MESSAGE", "AHCOMM_NT_STORES", "AHCOMM_RANK", "AHCOMM_RESTART_COUNT",
+    "AHCOMM_RESULT_CACHE_MB", "AHCOMM_RSH", "AHCOMM_SERVER_ID", "AHCOMM_SHM_NOTIFY", "AHCOMM_SINGLE_COPY",
+    "AHCOMM_SOCKET_IFNAME", "AHCOMM_SPIN_US", "AHCOMM_TRACE", "AHCOMM_TRANSPORT", "AHCOMM_TUNING_FILE",
+    "AHCOMM_WORLD_SIZE", "AHCOMM_YIELD_US",
+    "AHCOMM_BENCH_LOOP", "AHCOMM_SIM_SCALE",  # benchmarks/latency.py's event loop; tests/test_sim.py's big runs
+})
+_warned: set[str] = set()
+log = logging.getLogger("ahcomm.config")
+
+
+def warn_unknown(env: Mapping[str, str]) -> list[str]:
+    """Name, once per process each, the AHCOMM_* variables in ``env`` that ahcomm does not read
+    (with the known one closest to it); the names warned about now."""
+    named = []
+    for name in sorted(env):
+        if name.startswith("AHCOMM_") and name not in KNOWN_VARS and name not in _warned:
+            _warned.add(name)
+            named.append(name)
+            close = difflib.get_close_matches(name, KNOWN_VARS, n=1)
+            log.warning("%s is not a variable ahcomm reads%s: it has no effect", name,
+                        f" (did you mean {close[0]}?)" if close else "")
+    return named
 
 
 def usable_cores() -> int:
@@ -169,10 +201,13 @@ class Config:
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> "Config":
         env = os.environ if env is None else env
+        warn_unknown(env)
         buff_mb = _float(env, "AHCOMM_BUFFSIZE", 64.0)
         _flag(env, "AHCOMM_NT_STORES", True)  # read by _memcopy at the first large call: named here, at init
         _flag(env, "AHCOMM_SHM_NOTIFY", True)  # read by the link endpoint (transports._notify_ring.usable)
         _float(env, "AHCOMM_RESULT_CACHE_MB", 256.0, allow_zero=True, high=1 << 20)  # read by _outputs.Results
+        for waiting in ("AHCOMM_SPIN_US", "AHCOMM_YIELD_US"):  # read by transports.mailbox where it applies
+            _float(env, waiting, 0.0, allow_zero=True)
         transport = env.get("AHCOMM_TRANSPORT", "auto").strip().lower() or "auto"
         if transport not in ("auto", "sdma", "rdma"):
             raise ConfigError(f"AHCOMM_TRANSPORT={transport!r}: expected auto, sdma or rdma")
@@ -201,7 +236,7 @@ class Config:
             if_ip=_address(env, "AHCOMM_IF_IP", env.get("AHCOMM_IF_IP") or None),
             socket_ifname=env.get("AHCOMM_SOCKET_IFNAME") or None,
             server_id=env.get("AHCOMM_SERVER_ID") or None,
-            single_copy=env.get("AHCOMM_SINGLE_COPY", "1").strip().lower() not in ("0", "false", "no", "off"),
+            single_copy=_flag(env, "AHCOMM_SINGLE_COPY", True),
             job_secret=env.get("AHCOMM_JOB_SECRET") or None,
             insecure=_flag(env, "AHCOMM_INSECURE", False),
             encrypt=_flag(env, "AHCOMM_ENCRYPT", False),

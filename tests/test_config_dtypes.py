@@ -9,6 +9,7 @@ import pytest
 import ahcomm
 from ahcomm._config import Config
 from ahcomm._dtypes import ML_FLOAT_DTYPES, ReduceOp, check_dtype, check_reduce, finish_avg, is_float, ufunc_for
+from ahcomm._errors import ConfigError
 from ahcomm.algorithms._selection import parse_algo
 
 
@@ -219,3 +220,27 @@ def test_algo_grammar() -> None:
 def test_algorithm_names() -> None:
     assert set(ahcomm.algorithms.names("all_reduce")) >= {"ring", "mesh"}
     assert "dissemination" in ahcomm.algorithms.names("barrier")
+
+
+def test_a_misspelt_variable_is_named_with_the_one_meant(caplog: pytest.LogCaptureFixture) -> None:
+    from ahcomm._config import warn_unknown
+
+    with caplog.at_level("WARNING", logger="ahcomm.config"):
+        Config.from_env({"AHCOMM_TRANSPROT": "rdma", "AHCOMM_TRANSPORT": "sdma", "AHCOMMX": "1"})
+    assert "AHCOMM_TRANSPROT is not a variable ahcomm reads (did you mean AHCOMM_TRANSPORT?)" in caplog.text
+    assert "AHCOMM_TRANSPORT is not" not in caplog.text and "AHCOMMX" not in caplog.text
+    assert warn_unknown({"AHCOMM_TRANSPROT": "rdma"}) == []  # once per process
+
+
+@pytest.mark.parametrize("name, value", [("AHCOMM_SINGLE_COPY", "disable"), ("AHCOMM_SPIN_US", "-5"),
+                                         ("AHCOMM_YIELD_US", "nan"), ("AHCOMM_SPIN_US", "30us")])
+def test_a_flag_or_a_time_that_means_nothing_is_refused_at_init(name: str, value: str) -> None:
+    from ahcomm.transports.mailbox import _micros
+
+    with pytest.raises(ConfigError, match=name):
+        Config.from_env({name: value})
+    if name != "AHCOMM_SINGLE_COPY":  # and where the mailboxes read it, later
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setenv(name, value)
+            with pytest.raises(ConfigError, match=name):
+                _micros(name, 30.0)

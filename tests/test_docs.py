@@ -85,3 +85,16 @@ def test_relative_links_resolve(path: Path) -> None:
         if not (path.parent / file_part).exists():
             broken.append(target)
     assert not broken, f"{path.relative_to(ROOT)} links to missing files: {broken}"
+
+
+def test_the_known_variables_are_the_ones_read() -> None:
+    """``_config.KNOWN_VARS`` (a variable outside it draws a warning at init) lists every variable
+    the package reads, and besides them only its own tools' ones."""
+    from ahcomm._config import KNOWN_VARS
+
+    tools: set[str] = set()
+    for folder in ("tests", "benchmarks"):
+        for path in (ROOT / folder).rglob("*.py"):
+            tools |= set(VAR.findall(path.read_text(encoding="utf-8")))
+    assert _code_vars() <= KNOWN_VARS, sorted(_code_vars() - KNOWN_VARS)
+    assert KNOWN_VARS <= _code_vars() | tools, sorted(KNOWN_VARS - _code_vars() - tools)

@@ -103,10 +103,13 @@ def fence() -> None:
 def _micros(var: str, default: float) -> float:
     raw = os.environ.get(var, "").strip()
     try:
-        return max(0.0, float(raw) if raw else default)
+        value = float(raw) if raw else default
     except ValueError:
+        value = -1.0
+    if not value >= 0:  # negative, NaN or not a number
         from .._errors import ConfigError
-        raise ConfigError(f"{var} must be a number of microseconds, got {raw!r}") from None
+        raise ConfigError(f"{var} must be a number of microseconds (0 or more), got {raw!r}")
+    return value
 
 
 def spin_budget(ranks: int) -> float:
