@@ -383,17 +383,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="ahcomm-sim", description="Simulate a collective of the real algorithms "
                                 "over a simulated cluster in virtual time.")
     p.add_argument("op", choices=OPS)
-    p.add_argument("--ranks", type=int, required=True)
+    p.add_argument("--ranks", type=int, required=True, help="ranks in the simulated job")
     p.add_argument("--ranks-per-server", type=int, default=8)
     p.add_argument("--size", type=parse_size, required=True, help="bytes per rank (e.g. 64MiB)")
     p.add_argument("--algorithm", default=None, help="an algorithm name, or 'all' (default: the selector's pick)")
-    p.add_argument("--dtype", default="float32")
+    p.add_argument("--dtype", default="float32", help="element type (numpy's name; default float32)")
     p.add_argument("--model", default=None, help="link model JSON (ahcomm-bench calibrate output)")
-    p.add_argument("--straggler", type=_straggler, default=None, metavar="RANK:US")
+    p.add_argument("--straggler", type=_straggler, default=None, metavar="RANK:US",
+                   help="rank RANK starts the call US microseconds late")
     p.add_argument("--no-contention", action="store_true", help="ports never queue (closed-form comparisons)")
     p.add_argument("--cpu", action="store_true", help="the model's cores per server are shared by copies, "
                    "reductions, puts and posts (its task seconds each): a host like this one")
-    p.add_argument("--check", action="store_true", help="move real data and compare with numpy")
+    p.add_argument("--check", action="store_true", help="move real data and compare with numpy (64 KiB buffers a "
+                   "rank: big calls run in many slices, so the times are not a prediction)")
     p.add_argument("--json", action="store_true", help="one JSON object per line")
     args = p.parse_args(argv)
     try:
@@ -409,7 +411,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(f"{r.op} {r.bytes} B on {r.ranks} ranks ({r.ranks_per_server}/server), {r.algorithm}: "
                       f"{r.time_us:.1f} us, algbw {r.algbw_gbs:.2f} GB/s, busbw {r.busbw_gbs:.2f} GB/s; "
                       f"bytes inside servers {r.intra_bytes}, between {r.inter_bytes}; selector picks {r.pick}"
-                      f"{'; checked' if r.checked else ''} [{r.wall_s:.1f} s wall]", flush=True)
+                      f"{'; checked (64 KiB buffers: not a prediction)' if r.checked else ''} "
+                      f"[{r.wall_s:.1f} s wall]", flush=True)
     except (ValueError, AssertionError, RuntimeError) as exc:
         print(f"ahcomm-sim: {exc}", file=sys.stderr)
         return 1

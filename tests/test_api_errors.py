@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import numpy as np
 import pytest
 
@@ -171,3 +173,17 @@ async def test_ahcomm_algo_names_catalogue_algorithms_per_op() -> None:
     await run_inproc(3, body, algo="allreduce=level0:NHR/alltoall=level0:pairwise")
     assert seen["all_reduce"] == "nhr" and seen["all_to_all"] == "pairwise" and seen["all_to_all_v"] == "pairwise"
     assert seen["all_gather"] != "nhr"  # other ops keep the selector's choice
+
+
+@pytest.mark.asyncio
+async def test_explain_names_an_unknown_op_and_reads_as_text() -> None:
+    comms = await ahcomm.init_inprocess(2)
+    try:
+        with pytest.raises(ahcomm.InvalidArgument, match="unknown op 'allreduce' .did you mean 'all_reduce'"):
+            comms[0].explain("allreduce", 100)
+        shown = repr(comms[0].explain("all_reduce", 1000))
+        assert shown.startswith("Explanation(") and " us" in shown and "by " in shown, shown
+        algorithm, costs = comms[0].explain("all_reduce", 1000)  # still the (algorithm, costs) pair
+        assert algorithm in costs
+    finally:
+        await asyncio.gather(*(c.close() for c in comms))

@@ -168,3 +168,4 @@ async def test_suspend_frees_the_kept_results_and_close_forgets_them() -> None:
         assert all(c.stats()["results_kept_bytes"] == 0 for c in comms) and np.all(kept[0] == 2)
     finally:
         await asyncio.gather(*(c.close() for c in comms))
+

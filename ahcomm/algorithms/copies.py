@@ -68,3 +68,8 @@ class Explanation(tuple[str, dict[str, float | None]]):
         self.copies = copies
         self.basis = basis
         return self
+
+    def __repr__(self) -> str:
+        algorithm, costs = self
+        estimates = ", ".join(f"{name} {'n/a' if t is None else f'{t * 1e6:.1f} us'}" for name, t in costs.items())
+        return f"Explanation({algorithm!r} by {self.basis}; estimates: {estimates}; copies: {self.copies})"
