@@ -208,8 +208,12 @@ class Comm(ThreadsafeCalls, BlockedCollectives, ObjectCollectives, PointToPoint)
 
     def barrier(self, *, algorithm: str | None = None, timeout: float | None = None) -> "asyncio.Future[None]":
         """Wait until every rank has entered the barrier."""
+        return self._barrier(algorithm, timeout)
+
+    def _barrier(self, algorithm: str | None, timeout: float | None, caller: str = "") -> "asyncio.Future[None]":
+        """``barrier``; ``caller`` names what made it in messages (``close()``'s own barrier)."""
         self._check_open("barrier", queued=True)
-        call = Call(op="barrier", seq=self._seq, dtype=np.dtype(np.uint8), count=0)
+        call = Call(op="barrier", seq=self._seq, dtype=np.dtype(np.uint8), count=0, caller=caller)
         empty = np.empty(0, np.uint8)
         return self._submit(call, empty, empty, None, None, algorithm, timeout=timeout)
 
@@ -556,7 +560,7 @@ class Comm(ThreadsafeCalls, BlockedCollectives, ObjectCollectives, PointToPoint)
             await child.close()
         try:
             if self._health.error is None and self.size > 1:
-                await asyncio.wait_for(self.barrier(), timeout=min(self._exec_timeout, 30.0))
+                await asyncio.wait_for(self._barrier(None, None, "close()"), timeout=min(self._exec_timeout, 30.0))
             elif self._queue:
                 await asyncio.gather(*(j.future for j in list(self._queue)), return_exceptions=True)
         except Exception:  # noqa: BLE001 - closing regardless

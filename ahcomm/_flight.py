@@ -43,7 +43,7 @@ _dumps = itertools.count()
 def describe(call: Call) -> str:
     """``all_reduce(float32, count=8, sum)``: what every rank must agree on, readable."""
     if call.op == "barrier":
-        return "barrier()"
+        return f"barrier() in {call.caller}" if call.caller else "barrier()"
     parts = [call.dtype.name]
     if call.counts is not None and call.op != "all_to_all_v":
         counts = list(call.counts)

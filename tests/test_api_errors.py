@@ -187,3 +187,15 @@ async def test_explain_names_an_unknown_op_and_reads_as_text() -> None:
         assert algorithm in costs
     finally:
         await asyncio.gather(*(c.close() for c in comms))
+
+
+@pytest.mark.asyncio
+async def test_a_call_against_a_peer_s_close_names_close() -> None:
+    """One collective too many on rank 0 meets rank 1's close(): the message says the barrier
+    rank 1 "called" is close()'s, not one the user wrote."""
+    comms = await ahcomm.init_inprocess(2)
+    extra = comms[0].all_reduce(np.ones(4, np.float32))
+    closing = asyncio.ensure_future(comms[1].close())
+    with pytest.raises(ahcomm.CollectiveMismatchError, match=r"rank 1 called barrier\(\) in close\(\)"):
+        await asyncio.wait_for(extra, 30)
+    await asyncio.gather(closing, comms[0].close(), return_exceptions=True)

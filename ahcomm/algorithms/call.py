@@ -49,6 +49,7 @@ class Call:
     recv_counts: tuple[int, ...] | None = None
     group: str = ""  # unused (always ""): a sub-communicator has links of its own domain, so calls never mix
     algorithm: str = ""  # the algorithm that runs it, set once chosen: ranks must agree on it too
+    caller: str = ""  # what made the call where the user did not ("close()" for its barrier): for messages
     _fp: int = 0
 
     @property
