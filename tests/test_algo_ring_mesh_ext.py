@@ -263,6 +263,7 @@ async def test_mesh_single_copy_all_reduce_streams_a_large_output_out(size: int,
     peer reduces into the piece read, two or more into a second piece. Pieces of 1 MiB and an odd
     tail; in place takes the other path; the inputs stay as they were."""
     monkeypatch.setattr("ahcomm.algorithms.base.streams", lambda nbytes: True)
+    monkeypatch.setattr("ahcomm.algorithms.mesh.usable_cores", lambda: 8)  # a core for each rank
     rng = np.random.default_rng(size)
     count = size * (SCRATCH_BYTES // np.dtype(dtype).itemsize) + 7
     xs = [(rng.integers(1, 3, count) if np.dtype(dtype).kind == "i" else rng.standard_normal(count)).astype(dtype)
@@ -282,3 +283,18 @@ async def test_mesh_single_copy_all_reduce_streams_a_large_output_out(size: int,
         assert paths.get("copy.non_temporal") == 1, paths  # the out-of-place call only
     for x, orig in zip(xs, copies):
         np.testing.assert_array_equal(x, orig)
+
+
+async def test_mesh_single_copy_all_reduce_writes_directly_where_ranks_share_cores(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """With more ranks than cores the reduction writes the output itself (the extra pass through
+    the scratch cost more than it saved at 4 ranks on 2 cores)."""
+    monkeypatch.setattr("ahcomm.algorithms.base.streams", lambda nbytes: True)
+    monkeypatch.setattr("ahcomm.algorithms.mesh.usable_cores", lambda: 2)
+    xs = [np.full(3 * SCRATCH_BYTES // 4 + 5, r + 1, np.float32) for r in range(3)]
+
+    async def body(comm: ahcomm.Comm) -> tuple[np.ndarray, dict[str, int]]:
+        return await comm.all_reduce(xs[comm.rank], algorithm="mesh"), comm.stats()["paths"]
+
+    for out, paths in await run_job(3, body, buffsize=4 << 20):
+        assert np.all(out == 6) and "copy.non_temporal" not in paths, paths

@@ -28,6 +28,7 @@ from typing import ClassVar
 
 import numpy as np
 
+from .._config import usable_cores
 from .._memcopy import copy
 from .._stream import Stream
 from ..transports.base import Signal
@@ -47,6 +48,11 @@ SC_DATA, SC_RESULT, SC_DONE = 2, 3, 2
 SPLIT_BYTES = 4 << 20  # reads at least this big are cut in two, one half per copy engine
 
 Job = Callable[[Stream], None]
+
+
+def every_rank_has_a_core(topo: Topology) -> bool:
+    """Whether the host's ranks (mesh runs on one host) each have a core of their own."""
+    return topo.size <= usable_cores()
 
 
 def single_copy(call: Call, topo: Topology) -> bool:
@@ -289,10 +295,12 @@ class Mesh(Algorithm):
         _exchange(ctx, Signal.DATA, SC_DATA, value=src.ctypes.data)
         a, b = chunks[r]
         peers = [(ctx.links[p], p) for p in range(n) if p != r]
-        # Out of place into a large output: reduce in cache and stream each piece out, so that the
-        # output's lines are not read before they are written (np=2 64 MiB: the reduction took
-        # 10.0 ms writing the output directly against 6.4 in place; results/2026-11-27-result-reuse.md)
-        streamed = src is not dst and ctx.stream_output()
+        # Out of place into a large output, where every rank has a core: reduce in cache and stream
+        # each piece out, so that the output's lines are not read before they are written (np=2
+        # 64 MiB: the reduction took 10.0 ms writing the output directly against 6.4 in place). With
+        # 4 ranks on 2 cores the extra pass cost more than it saved at 16-32 MiB (4-8% slower;
+        # results/2026-11-27-result-reuse.md).
+        streamed = src is not dst and every_rank_has_a_core(ctx.topo) and ctx.stream_output()
         pieces = 2 if streamed and len(peers) > 1 else 1  # several peers: a second piece accumulates
         step = max(1, aligned(min(SCRATCH_BYTES, ctx.ccl_out.nbytes // pieces), item) // item)
         scratch = ctx.typed(ctx.ccl_out, 0, min(step, b - a))
