@@ -196,3 +196,8 @@ async def measure(case: Case, warmup: int, iters: int, max_seconds: float) -> tu
         stamps[i + 1] = time.perf_counter()
     each = np.diff(stamps)
     return float(each.mean()) * 1e6, float(np.median(each)) * 1e6, count
+
+
+def runnable(comm: Any, op: str, dtype: np.dtype) -> list[str]:
+    """Algorithms that can run ``op`` on this communicator's topology."""
+    return sorted(comm.explain(op, 1, dtype)[1])

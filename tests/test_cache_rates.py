@@ -107,7 +107,7 @@ def test_the_simulator_runs_a_hot_call_at_the_in_cache_rates() -> None:
 
 
 def test_calibrate_measures_the_in_cache_rates() -> None:
-    from ahcomm.bench import hot_rates
+    from ahcomm._calibrate import hot_rates
 
     copy, reduce = hot_rates(2, rounds=20, passes=2)
     for rate in (copy, reduce):
@@ -125,7 +125,7 @@ def test_the_in_cache_rates_come_from_the_fastest_pass(monkeypatch: pytest.Monke
     import itertools
     import threading
 
-    from ahcomm import bench
+    from ahcomm import _calibrate as calibration
 
     calls, clock, lock = itertools.count(), [0.0], threading.Lock()
     slow, fast, rounds = 1e-3, 1e-5, 10
@@ -137,9 +137,9 @@ def test_the_in_cache_rates_come_from_the_fastest_pass(monkeypatch: pytest.Monke
                 clock[0] += slow if (i // (2 * rounds)) % 3 < 2 else fast  # copies' and reductions' alike
             return clock[0]
 
-    monkeypatch.setattr(bench.time, "thread_time", thread_time)
-    copy, reduce = bench.hot_rates(1, rounds=rounds, passes=3)
-    assert math.isclose(copy * bench.HOT_PIECE, fast) and math.isclose(reduce * bench.HOT_PIECE, fast)
+    monkeypatch.setattr(calibration.time, "thread_time", thread_time)
+    copy, reduce = calibration.hot_rates(1, rounds=rounds, passes=3)
+    assert math.isclose(copy * calibration.HOT_PIECE, fast) and math.isclose(reduce * calibration.HOT_PIECE, fast)
 
 
 def test_staged_copies_cost_half_a_copy_and_single_copy_reads_a_pin_more() -> None:
@@ -191,9 +191,9 @@ def test_all_gather_goes_through_the_slots_and_broadcast_keeps_direct() -> None:
 def test_the_memory_bound_probes_outgrow_the_cache() -> None:
     """calibrate's copy and reduce rates come from arrays a quarter of the last-level cache each
     (three of them), from 32 MiB up to 128 MiB (below glibc's non-temporal threshold)."""
-    from ahcomm import bench
+    from ahcomm import _calibrate as calibration
 
-    assert bench.probe_bytes(0) == 32 * MIB  # unknown
-    assert bench.probe_bytes(32 * MIB) == 32 * MIB  # the EPYC host: as before
-    assert bench.probe_bytes(480 * MIB) == 120 * MIB  # the Intel VM: 32 MiB arrays stayed in its cache
-    assert bench.probe_bytes(4096 * MIB) == 128 * MIB
+    assert calibration.probe_bytes(0) == 32 * MIB  # unknown
+    assert calibration.probe_bytes(32 * MIB) == 32 * MIB  # the EPYC host: as before
+    assert calibration.probe_bytes(480 * MIB) == 120 * MIB  # the Intel VM: 32 MiB arrays stayed in its cache
+    assert calibration.probe_bytes(4096 * MIB) == 128 * MIB

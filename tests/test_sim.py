@@ -393,7 +393,7 @@ def test_calibrate_shared_copy_rate_counts_every_thread(monkeypatch: pytest.Monk
 
     import numpy as np
 
-    from ahcomm.bench import shared_copy_rate
+    from ahcomm._calibrate import shared_copy_rate
 
     def copy_3ms(dst: np.ndarray, src: np.ndarray) -> None:
         start = _time.thread_time()

@@ -12,9 +12,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from ahcomm._calibrate import fit_cpu
 from ahcomm.algorithms import REGISTRY, Call, Topology
 from ahcomm.algorithms.cost import CostModel, LinkCost
-from ahcomm.bench import fit_cpu
 from ahcomm.sim import simulate
 from ahcomm.transports.sim import ASLEEP, SimNetwork, VirtualLoop
 
