@@ -126,7 +126,10 @@ def _float(env: Mapping[str, str], name: str, default: float, *, low: float = 0.
     except ValueError:
         raise ConfigError(f"{name}={value!r} is not a number") from None
     if out != out or out < low or (out == 0 and not allow_zero) or (high is not None and out > high):  # NaN too
-        limits = f"between 0 (off) and {high:g}" if allow_zero and high is not None else "positive"
+        if allow_zero:
+            limits = f"between 0 (off) and {high:g}" if high is not None else "0 or more"
+        else:
+            limits = f"positive, at most {high:g}" if high is not None else "positive"
         raise ConfigError(f"{name}={value!r} must be {limits}")
     return out
 

@@ -237,8 +237,9 @@ def test_a_misspelt_variable_is_named_with_the_one_meant(caplog: pytest.LogCaptu
 def test_a_flag_or_a_time_that_means_nothing_is_refused_at_init(name: str, value: str) -> None:
     from ahcomm.transports.mailbox import _micros
 
-    with pytest.raises(ConfigError, match=name):
+    with pytest.raises(ConfigError, match=name) as raised:
         Config.from_env({name: value})
+    assert "positive" not in str(raised.value)  # 0 is a value they take: "0 or more", not "positive"
     if name != "AHCOMM_SINGLE_COPY":  # and where the mailboxes read it, later
         with pytest.MonkeyPatch.context() as patch:
             patch.setenv(name, value)
