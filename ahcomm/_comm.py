@@ -75,11 +75,6 @@ def _as_array(x: Any, what: str) -> np.ndarray:
     raise InvalidArgument(f"{what} must be a numpy array (or expose __array__), got {type(x).__name__}")
 
 
-# What ``explain`` answers for: every collective's name, as its method is named
-EXPLAINED = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "gather", "scatter", "all_to_all",
-             "all_gather_v", "reduce_scatter_v", "gather_v", "scatter_v", "all_to_all_v", "barrier")
-
-
 class Comm(ThreadsafeCalls, BlockedCollectives, ObjectCollectives, PointToPoint):
     """A group of ranks that run collectives together.
 
@@ -408,7 +403,7 @@ class Comm(ThreadsafeCalls, BlockedCollectives, ObjectCollectives, PointToPoint)
     async def _work(self) -> None:
         loop = asyncio.get_running_loop()
         health = self._health
-        job: Job | None = None
+        job: Job | None
         while True:
             job = None  # the last call's result is its caller's alone now (``_outputs.Results`` reuses it)
             while not self._queue:
@@ -513,10 +508,11 @@ class Comm(ThreadsafeCalls, BlockedCollectives, ObjectCollectives, PointToPoint)
         for ``op`` on ``count`` elements (per rank block for the blocked ops) of ``dtype``;
         ``.copies`` says how many copies per received byte it makes (``algorithms.copies``), ``.basis``
         what chose it (AHCOMM_ALGO, a pick measured by ``ahcomm-bench tune``, or the cost model)."""
-        if op not in EXPLAINED:
-            close = difflib.get_close_matches(str(op), EXPLAINED, n=1)
+        known = self._selector.registry.ops()
+        if op not in known:
+            close = difflib.get_close_matches(str(op), known, n=1)
             raise InvalidArgument(f"explain: unknown op {op!r}" + (f" (did you mean {close[0]!r}?)" if close else "")
-                                  + f"; the ops: {', '.join(EXPLAINED)}")
+                                  + f"; the ops: {', '.join(sorted(known))}")
         counts = (count,) * self.size if op in WHOLE and op != "reduce" else None
         call = Call(op=op, seq=self._seq, dtype=np.dtype(dtype), count=count, root=root, counts=counts,
                     recv_counts=counts if op.startswith("all_to_all") else None)

@@ -79,10 +79,10 @@ class Results:
                     self.reused += 1
                     return buf.view(dtype).reshape(shape)
             buf = np.empty(nbytes, np.uint8)
-            self._kept.append(buf)
+            kept.append(buf)
             self._bytes += nbytes
             while self._bytes > self.limit:
-                self._bytes -= self._kept.popleft().nbytes  # a dropped array lives on while its user holds it
+                self._bytes -= kept.popleft().nbytes  # a dropped array lives on while its user holds it
             return buf.view(dtype).reshape(shape)
 
     @property

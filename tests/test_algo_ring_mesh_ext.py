@@ -263,7 +263,7 @@ async def test_mesh_single_copy_all_reduce_streams_a_large_output_out(size: int,
     peer reduces into the piece read, two or more into a second piece. Pieces of 1 MiB and an odd
     tail; in place takes the other path; the inputs stay as they were."""
     monkeypatch.setattr("ahcomm.algorithms.base.streams", lambda nbytes: True)
-    monkeypatch.setattr("ahcomm.algorithms.mesh.usable_cores", lambda: 8)  # a core for each rank
+    monkeypatch.setattr("ahcomm.algorithms.base.usable_cores", lambda: 8)  # a core for each rank
     rng = np.random.default_rng(size)
     count = size * (SCRATCH_BYTES // np.dtype(dtype).itemsize) + 7
     xs = [(rng.integers(1, 3, count) if np.dtype(dtype).kind == "i" else rng.standard_normal(count)).astype(dtype)
@@ -290,7 +290,7 @@ async def test_mesh_single_copy_all_reduce_writes_directly_where_ranks_share_cor
     """With more ranks than cores the reduction writes the output itself (the extra pass through
     the scratch cost more than it saved at 4 ranks on 2 cores)."""
     monkeypatch.setattr("ahcomm.algorithms.base.streams", lambda nbytes: True)
-    monkeypatch.setattr("ahcomm.algorithms.mesh.usable_cores", lambda: 2)
+    monkeypatch.setattr("ahcomm.algorithms.base.usable_cores", lambda: 2)
     xs = [np.full(3 * SCRATCH_BYTES // 4 + 5, r + 1, np.float32) for r in range(3)]
 
     async def body(comm: ahcomm.Comm) -> tuple[np.ndarray, dict[str, int]]:

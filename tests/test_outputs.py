@@ -22,6 +22,8 @@ F32 = np.dtype(np.float32)
 def _at(a: np.ndarray) -> int:
     """The address of ``a``'s data (``a.ctypes`` would make an object that refers to ``a``)."""
     return int(a.__array_interface__["data"][0])
+
+
 COUNT = MIN_BYTES // 4  # a result big enough to be kept
 
 

@@ -138,8 +138,12 @@ class Executor:
         self._scratch = np.empty(0, np.uint8)
         self._resources.clear()
         self.mailbox = None
+        self._let_go()
+
+    def _let_go(self) -> None:
+        """Drop the streams' error hook: the last run's context, whose views are the caller's arrays."""
         for stream in (self.main, *self.subs):
-            stream.on_error = None  # the last run's context (its views) goes too
+            stream.on_error = None
 
     def scratch(self, nbytes: int) -> np.ndarray:
         """The reusable scratch region, at least ``nbytes`` long (pre-faulted when it grows)."""
@@ -225,8 +229,7 @@ class Executor:
                 await algorithm.orchestrate(ctx)
             finally:
                 self._ctx = None
-        for stream in (self.main, *subs):  # the run is over: its context (the caller's arrays) is not kept
-            stream.on_error = None
+        self._let_go()  # the run is over: its caller's arrays are not kept
         for link in self._unmapped:
             await link.flush()
         self._report(call, communicated=True, exchanged=algorithm.exchanged(call),

@@ -30,6 +30,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from .._config import usable_cores
 from .._memcopy import streams
 from .._notify import Notify
 from .._stream import Stream, TaskFn
@@ -275,6 +276,12 @@ class Algorithm:
         return run(self, ctx)
 
 
+def oversubscribed(topo: Topology, cores: int | None = None) -> bool:
+    """Whether the host's ranks outnumber ``cores`` (default: this process's usable cores), for the
+    algorithms that run on one host (direct, mesh's single-copy path)."""
+    return topo.size > (usable_cores() if cores is None else cores)
+
+
 def fold(ufunc: np.ufunc, parts: Sequence[np.ndarray], out: np.ndarray) -> None:
     """out = parts[0] op parts[1] op ... in this order (2 parts or more; the same bits on every
     rank that folds the same parts). ``out`` may be the first or the second part (one ufunc
@@ -332,6 +339,10 @@ class Registry:
         self.algorithms[algorithm.name] = algorithm
         self.version += 1  # selectors' remembered picks are stale now
         return algorithm
+
+    def ops(self) -> frozenset[str]:
+        """Every op some registered algorithm runs."""
+        return frozenset().union(*(a.ops for a in self.algorithms.values()))
 
     def names(self, op: str | None = None) -> list[str]:
         return [n for n, a in self.algorithms.items() if op is None or op in a.ops]

@@ -53,7 +53,7 @@ from .._memcopy import copy
 from .._stream import NO_ENGINE, engine_bytes_for
 from ..transports.base import DataLink
 from . import _mailbox_sync as sync
-from .base import Algorithm, Call, Context, Resources, Topology
+from .base import Algorithm, Call, Context, Resources, Topology, oversubscribed
 from .cost import CostModel, Work
 from .oneshot import STEP, OneShot
 
@@ -144,11 +144,6 @@ def on_loop(topo: Topology, lanes: int) -> bool:
     return lanes <= 1 and engine_bytes_for(topo.size) == NO_ENGINE
 
 
-def oversubscribed(topo: Topology) -> bool:
-    """Whether the host's ranks outnumber this process's cores (direct runs on one host only)."""
-    return topo.size > _cores()
-
-
 def _pool(n: int) -> ThreadPoolExecutor:
     pool = _POOLS.get(n)
     if pool is None:
@@ -227,7 +222,7 @@ class Direct(Algorithm):
                 moves.append(_reading(ctx.links[p], dst[p], int(box.payload(p, tick).view(np.int64)[0])))
         footprint = n * (src.nbytes + dst.nbytes)  # the host's inputs and outputs (direct runs on one host)
         lanes = threads(call, ctx.topo)
-        await _copy_all(moves, lanes, oversubscribed(ctx.topo), footprint, on_loop(ctx.topo, lanes))
+        await _copy_all(moves, lanes, oversubscribed(ctx.topo, _cores()), footprint, on_loop(ctx.topo, lanes))
         tick, _ = box.publish(call.seq, ctx.fingerprint)  # done reading: the owners may go on (nothing loose)
         # A broadcast's root waits here for the whole read: sleeping at once keeps its spin for short waits
         await sync.arrivals(ctx, tick, may_spin=call.op != "broadcast" or r != root)

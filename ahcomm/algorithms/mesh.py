@@ -28,13 +28,12 @@ from typing import ClassVar
 
 import numpy as np
 
-from .._config import usable_cores
 from .._memcopy import copy
 from .._stream import Stream
 from ..transports.base import Signal
 from ._mesh_whole import OPS as WHOLE_OPS
 from ._mesh_whole import orchestrate_whole, whole_work
-from .base import Algorithm, Call, Context, Resources, Topology, aligned, split
+from .base import Algorithm, Call, Context, Resources, Topology, aligned, oversubscribed, split
 from .cost import HALF_BYTES, CostModel, Work, engine_tasks, npieces
 
 DIRECT_BYTES = 32 * 1024  # all_reduce below this: every rank reduces the whole vector itself
@@ -48,11 +47,6 @@ SC_DATA, SC_RESULT, SC_DONE = 2, 3, 2
 SPLIT_BYTES = 4 << 20  # reads at least this big are cut in two, one half per copy engine
 
 Job = Callable[[Stream], None]
-
-
-def every_rank_has_a_core(topo: Topology) -> bool:
-    """Whether the host's ranks (mesh runs on one host) each have a core of their own."""
-    return topo.size <= usable_cores()
 
 
 def single_copy(call: Call, topo: Topology) -> bool:
@@ -300,7 +294,7 @@ class Mesh(Algorithm):
         # 64 MiB: the reduction took 10.0 ms writing the output directly against 6.4 in place). With
         # 4 ranks on 2 cores the extra pass cost more than it saved at 16-32 MiB (4-8% slower;
         # results/2026-11-27-result-reuse.md).
-        streamed = src is not dst and every_rank_has_a_core(ctx.topo) and ctx.stream_output()
+        streamed = src is not dst and not oversubscribed(ctx.topo) and ctx.stream_output()
         pieces = 2 if streamed and len(peers) > 1 else 1  # several peers: a second piece accumulates
         step = max(1, aligned(min(SCRATCH_BYTES, ctx.ccl_out.nbytes // pieces), item) // item)
         scratch = ctx.typed(ctx.ccl_out, 0, min(step, b - a))

@@ -46,7 +46,7 @@ from typing import Any, Literal, Protocol
 
 import numpy as np
 
-from .._config import usable_cores
+from .._config import _float, usable_cores
 from .._memcopy import copy
 from ._wake import Waker
 
@@ -101,15 +101,8 @@ def fence() -> None:
 
 
 def _micros(var: str, default: float) -> float:
-    raw = os.environ.get(var, "").strip()
-    try:
-        value = float(raw) if raw else default
-    except ValueError:
-        value = -1.0
-    if not value >= 0:  # negative, NaN or not a number
-        from .._errors import ConfigError
-        raise ConfigError(f"{var} must be a number of microseconds (0 or more), got {raw!r}")
-    return value
+    """Microseconds from ``var`` (0 or more; ``Config.from_env`` checks it at init too)."""
+    return _float(os.environ, var, default, allow_zero=True)
 
 
 def spin_budget(ranks: int) -> float:
