@@ -58,6 +58,7 @@ from ._errors import (
     WrongLoopError,
 )
 from ._p2p import P2POp
+from ._peer_memory import alloc
 from ._rootinfo import get_root_info
 from ._sync import SyncComm
 
@@ -93,6 +94,7 @@ __all__ = [
     "all_reduce",
     "all_to_all",
     "all_to_all_v",
+    "alloc",
     "barrier",
     "batch_send_recv",
     "broadcast",

@@ -13,6 +13,8 @@ from typing import Any
 
 import numpy as np
 
+from ._peer_memory import alloc
+
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "gather", "scatter", "all_to_all")
 BLOCKED = ("all_gather", "reduce_scatter", "gather", "scatter", "all_to_all")  # size counts n blocks
 REDUCING = ("all_reduce", "reduce_scatter", "reduce")
@@ -106,9 +108,10 @@ def expected(op: str, rank: int, n: int, block: int, dtype: np.dtype, redop: str
     return (ref * factor).astype(dtype)
 
 
-def _touched(count: int, dtype: np.dtype) -> np.ndarray:
-    """Zeros of ``count`` with every page written (faulted in, private)."""
-    array = np.empty(count, dtype)
+def _touched(count: int, dtype: np.dtype, registered: bool = False) -> np.ndarray:
+    """Zeros of ``count`` with every page written (faulted in): private, or from ``ahcomm.alloc``
+    (``registered``: memory this host's peers map)."""
+    array = alloc(count, dtype) if registered else np.empty(count, dtype)
     array.fill(0)
     return array
 
@@ -117,7 +120,7 @@ class Case:
     """Buffers and the call for one (op, size), allocated and touched once."""
 
     def __init__(self, comm: Any, op: str, nbytes: int, dtype: np.dtype, redop: str, root: int,
-                 algorithm: str | None, inplace: bool) -> None:
+                 algorithm: str | None, inplace: bool, registered: bool = False) -> None:
         n, item = comm.size, dtype.itemsize
         total = max(1, nbytes // item)
         self.block = max(1, total // n) if op in BLOCKED else total
@@ -130,11 +133,11 @@ class Case:
         # Every page written once: an untouched np.zeros maps the kernel's shared zero page, which
         # an op that only reads its input (all_gather, a broadcast's root) reads from the cache
         # (np=2 32 MiB all_gather: 2.9-3.2 ms a call untouched against 4.3-4.8 with its pages).
-        self.src = _touched(in_count, dtype)
+        self.src = _touched(in_count, dtype, registered)
         if inplace and op in ("all_reduce", "broadcast", "reduce"):
             self.dst: np.ndarray | None = self.src if rooted_out else None
         else:
-            self.dst = _touched(out_count, dtype) if rooted_out else None
+            self.dst = _touched(out_count, dtype, registered) if rooted_out else None
 
     def issue(self) -> "asyncio.Future[Any]":
         kw: dict[str, Any] = {"out": self.dst, "algorithm": self.algorithm}

@@ -23,6 +23,7 @@ from ._buffers import CclBuffers
 from ._comm import Comm
 from ._config import Config
 from ._errors import ConfigError, ConnectError
+from ._peer_memory import table_name
 from ._rendezvous import (
     LINGER,
     REPLY_SLACK,
@@ -136,6 +137,7 @@ async def create(config: Config | None = None, *, rank: int | None = None, world
                 "probe": int(buffers.ccl_in.array.ctypes.data),  # lets same-host peers test single-copy reads
                 "mailbox": mbox.describe() if mbox is not None else None,
                 "notify": channel.notify_description(),  # this rank's shared-memory inbox for notifies
+                "memory": table_name() if shared else None,  # where peers find its ahcomm.alloc memory
             }
             if rank == 0:  # every rank selects algorithms with rank 0's cost model
                 info["tuning"] = cost_model.to_dict()
@@ -319,7 +321,8 @@ def _open_sdma(p: Peer) -> Link:
     shm_in, shm_out = p.entry["shm"]
     return SdmaLink(p.rank, p.peer, p.channel, p.entry["endpoints"]["ipc"], shm_in, shm_out,
                     int(p.entry["buffsize"]), p.progress.reached, int(p.entry.get("pid", 0)),
-                    int(p.entry.get("probe", 0)), notify=p.entry.get("notify"), notify_ring=p.notify_ring)
+                    int(p.entry.get("probe", 0)), notify=p.entry.get("notify"), notify_ring=p.notify_ring,
+                    memory=p.entry.get("memory"))
 
 
 def _open_rdma(p: Peer) -> Link:

@@ -220,7 +220,7 @@ class SharedRegion(Region):
             elif os.fstat(fd).st_size < nbytes:
                 raise ConnectError(f"shared region {self._path} is smaller than {nbytes} bytes")
             populate = getattr(mmap, "MAP_POPULATE", 0) if prefault else 0
-            self._map = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED | populate)
+            self._map: mmap.mmap | None = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED | populate)
         except BaseException:
             if create:
                 self.unlink()
@@ -262,8 +262,17 @@ class SharedRegion(Region):
         except FileNotFoundError:
             pass
 
+    def detach(self) -> mmap.mmap:
+        """Hand the mapping to the caller (its arrays keep it alive); the region keeps its name."""
+        mapping, self._map = self._map, None
+        self.array = np.empty(0, dtype=np.uint8)
+        assert mapping is not None
+        return mapping
+
     def close(self) -> None:
         self.array = np.empty(0, dtype=np.uint8)
+        if self._map is None:
+            return
         try:
             self._map.close()
         except BufferError:

@@ -22,6 +22,7 @@ import msgpack
 import zmq
 import zmq.asyncio
 
+from ._buffers import SHM_PREFIX
 from ._errors import ConnectError
 from .transports._auth import AUTH, HANDSHAKE_FAILED, Credentials, Domain, async_context
 
@@ -104,6 +105,9 @@ def check_entry(info: Any) -> dict[str, Any]:
     shm = info.get("shm")
     if shm is not None and not (isinstance(shm, list) and len(shm) == 2 and all(isinstance(n, str) for n in shm)):
         raise ValueError("'shm' must be None or two names")
+    memory = info.get("memory")
+    if memory is not None and not (isinstance(memory, str) and memory.startswith(SHM_PREFIX) and "/" not in memory):
+        raise ValueError(f"'memory' must be None or a shared-memory name, got {str(memory)[:40]!r}")
     tuning = info.get("tuning")
     if tuning is not None and not (isinstance(tuning, dict) and _plain(tuning)):
         raise ValueError("'tuning' must be a small map of numbers and strings")

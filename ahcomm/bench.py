@@ -51,7 +51,7 @@ async def sweep(comm: Any, args: argparse.Namespace, algorithm: str | None) -> l
     dtype, n = np.dtype(args.dtype), comm.size
     if comm.rank == 0:
         print(f"# ahcomm-bench {args.op}  np={n}  dtype={dtype}  algorithm={algorithm or 'auto'}"
-              f"  {'in-place' if args.inplace else 'out-of-place'}  links="
+              f"  {'in-place' if args.inplace else 'out-of-place'}{'  registered' if args.registered else ''}  links="
               f"{','.join(sorted({link['kind'] for link in comm.stats()['links'].values()})) or 'none'}")
         print(f"#{'size':>12} {'count':>12} {'type':>8} {'redop':>6} {'root':>5} "
               f"{'time(us)':>11} {'algbw':>8} {'busbw':>8} {'#wrong':>7}  algorithm", flush=True)
@@ -59,7 +59,7 @@ async def sweep(comm: Any, args: argparse.Namespace, algorithm: str | None) -> l
     # (eager above one message)
     cannot = args.op if algorithm is not None and args.op not in _ops_of(algorithm) else "size"
     for nbytes in sizes(args.minbytes, args.maxbytes, args.stepfactor):
-        case = Case(comm, args.op, nbytes, dtype, args.redop, args.root, algorithm, args.inplace)
+        case = Case(comm, args.op, nbytes, dtype, args.redop, args.root, algorithm, args.inplace, args.registered)
         known = comm.explain(args.op, case.block, dtype, root=args.root)
         if algorithm is not None and algorithm not in known[1]:
             if comm.rank == 0:
@@ -79,7 +79,7 @@ async def sweep(comm: Any, args: argparse.Namespace, algorithm: str | None) -> l
                "redop": redop, "root": root, "time_us": mean_us, "algbw": algbw,
                "busbw": algbw * bus_factor(args.op, n), "wrong": total_wrong, "iters": count, "median_us": median_us,
                "avg_rank_us": float(agg[0]) / n, "median_avg_us": float(agg[2]) / n,  # means over ranks
-               "algorithm": picked, "forced": algorithm is not None}
+               "algorithm": picked, "forced": algorithm is not None, "registered": args.registered}
         rows.append(row)
         if comm.rank == 0:
             print(f" {row['size']:>12} {row['count']:>12} {row['type']:>8} {redop:>6} {root:>5} "
@@ -175,6 +175,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("-c", "--check", type=int, default=1, help="check results against numpy (1) or not (0)")
     p.add_argument("--max-seconds", type=float, default=1.0, help="cap on timed seconds per size")
     p.add_argument("--inplace", action="store_true", help="all_reduce/broadcast in place (out is the input)")
+    p.add_argument("-R", "--registered", action="store_true",
+                   help="buffers from ahcomm.alloc, which same-host peers map (nccl-tests -R: registered buffers)")
     p.add_argument("--algorithm", default=None,
                    help="force an algorithm (see ahcomm.algorithms.names), or 'all': each one, then the selector")
     p.add_argument("--json", default=None, help="rank 0 writes the rows here")

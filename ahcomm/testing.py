@@ -32,6 +32,7 @@ from . import _bootstrap
 from ._buffers import CclBuffers
 from ._comm import Comm
 from ._config import Config
+from ._peer_memory import table_name
 from .algorithms import REGISTRY, Algorithm, Call, Topology
 from .algorithms._executor import Progress
 from .algorithms._selection import Selector
@@ -115,7 +116,8 @@ async def local_links(size: int, *, transport: str = "inproc", buffsize: int = 1
         table = [{"rank": r, "host": "local", "endpoints": channels[r].endpoints, "pid": os.getpid(),
                   "shm": [buffers[r].ccl_in.name, buffers[r].ccl_out.name] if shared else None,
                   "buffsize": buffsize, "probe": int(buffers[r].ccl_in.array.ctypes.data),
-                  "notify": channels[r].notify_description()} for r in range(size)]
+                  "notify": channels[r].notify_description(),
+                  "memory": table_name() if shared else None} for r in range(size)]
         links = [_bootstrap._connect(r, table, channels[r], cfg, "local", progress[r]) for r in range(size)]
         for channel in channels:
             channel.start()

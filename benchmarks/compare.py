@@ -100,6 +100,8 @@ def run_np(n: int, a: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     sw = sweep_args(a)
     variants = [("ahcomm", [])] if "ahcomm" in a.tools else []
     variants += [(f"ahcomm:{name}", ["--algorithm", name]) for name in a.ahcomm_algorithms]
+    if a.registered and "ahcomm" in a.tools:  # the same picks, buffers from ahcomm.alloc
+        variants.append(("ahcomm:registered", ["--registered"]))
     for tool, forced in variants:
         merged: dict[str, Any] = {"tool": tool, "np": n, "rows": [], "errors": []}
         for op in a.ops:
@@ -266,6 +268,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="small-message p50/p90 instead of the sweep (compare_latency.py; see --latency --help)")
     p.add_argument("--ahcomm-python", default=str(ROOT / ".venv" / "bin" / "python"))
     p.add_argument("--bench-python", default=str(ROOT / ".venv-bench" / "bin" / "python"))
+    p.add_argument("--registered", action="store_true",
+                   help="also run ahcomm with buffers from ahcomm.alloc (ahcomm-bench -R), as column ahcomm:registered")
     p.add_argument("--ahcomm-args", default="--inplace",
                    help="extra flags for ahcomm.bench (default --inplace: all_reduce and broadcast in place, "
                         "as torch's and MPI's calls here are)")

@@ -14,14 +14,17 @@ from __future__ import annotations
 from .base import Call, Topology
 from .mesh import single_copy
 
+_READ = "process_vm_readv, or mapped where it is ahcomm.alloc memory"
 # (algorithm, op, single-copy path?) -> (owner copies, reader copies, how)
 _TABLE: dict[tuple[str, str, bool], tuple[int, int, str]] = {
     ("mesh", "all_gather", False): (1, 1, "owner stages its block in CCL_In, every peer copies it out"),
-    ("mesh", "all_gather", True): (0, 1, "every peer reads the owner's user buffer (process_vm_readv)"),
+    ("mesh", "all_gather", True): (0, 1, f"every peer reads the owner's user buffer ({_READ})"),
     ("mesh", "broadcast", False): (1, 1, "root stages in CCL_In, every peer copies it out"),
-    ("mesh", "broadcast", True): (0, 1, "every peer reads the root's user buffer (process_vm_readv)"),
+    ("mesh", "broadcast", True): (0, 1, f"every peer reads the root's user buffer ({_READ})"),
     ("mesh", "all_reduce", False): (1, 1, "owner stages, every peer reduces straight out of its CCL_In"),
-    ("mesh", "all_reduce", True): (0, 1, "every peer pulls shares from user buffers into cache-sized scratch"),
+    ("mesh", "all_reduce", True): (0, 1, "every peer pulls shares from user buffers into cache-sized scratch "
+                                         "and reduces them (a share in ahcomm.alloc memory: reduced where it "
+                                         f"lies, mapped); then reads the others' results ({_READ})"),
     ("oneshot", "all_gather", False): (1, 1, "owner writes its mailbox slot, every peer copies it out"),
     ("oneshot", "broadcast", False): (1, 1, "root writes its mailbox slot, every peer copies it out"),
     ("oneshot", "all_reduce", False): (1, 1, "owner writes its slot, every rank reduces all slots"),
@@ -30,9 +33,9 @@ _TABLE: dict[tuple[str, str, bool], tuple[int, int, str]] = {
     ("twoshot", "all_reduce", False): (2, 1, "owner writes its peers' shares to its slot (its own stays out), "
                                             "reduces its share of all slots and its input into its output and "
                                             "writes the share to its slot, every peer copies it out"),
-    ("direct", "all_gather", True): (0, 1, "every peer reads the owner's user buffer (process_vm_readv); "
+    ("direct", "all_gather", True): (0, 1, f"every peer reads the owner's user buffer ({_READ}); "
                                           "addresses and completion through the mailboxes"),
-    ("direct", "broadcast", True): (0, 1, "every peer reads the root's user buffer (process_vm_readv); "
+    ("direct", "broadcast", True): (0, 1, f"every peer reads the root's user buffer ({_READ}); "
                                           "addresses and completion through the mailboxes"),
     ("direct", "all_gather", False): (1, 1, "no single copy here: oneshot's mailbox slots, slice by slice"),
     ("direct", "broadcast", False): (1, 1, "no single copy here: oneshot's mailbox slots, slice by slice"),

@@ -301,13 +301,21 @@ class Mesh(Algorithm):
         acc = ctx.typed(ctx.ccl_out, step * item, min(step, b - a)) if pieces == 2 else scratch
 
         def reduce_share() -> None:  # one engine task: no event-loop round trip per piece
+            # A peer's share from ahcomm.alloc memory is mapped here and reduced where it lies;
+            # any other is read through the kernel into the scratch piece first.
+            shares = []
+            for link, p in peers:
+                at = ctx.posted(p, Signal.DATA, SC_DATA)
+                mapped = link.view(at + a * item, (b - a) * item)
+                shares.append((link, at, None if mapped is None else mapped.view(src.dtype)))
             for lo in range(a, b, step):
                 hi = min(lo + step, b)
                 tmp = scratch[:hi - lo]
                 out = acc[:hi - lo] if streamed else dst[lo:hi]
-                for i, (link, p) in enumerate(peers):
-                    link.read(tmp, ctx.posted(p, Signal.DATA, SC_DATA) + lo * item, _inline)
-                    ufunc(src[lo:hi] if i == 0 else out, tmp, out=out)
+                for i, (link, at, mapped) in enumerate(shares):
+                    if mapped is None:
+                        link.read(tmp, at + lo * item, _inline)
+                    ufunc(src[lo:hi] if i == 0 else out, tmp if mapped is None else mapped[lo - a:hi - a], out=out)
                 if streamed:
                     copy(dst[lo:hi], out, stream=True)
 

@@ -13,6 +13,9 @@ and, on RDMA-like links, DataAck) and gives access to the peer's CCL buffers:
 * ``read(dst, addr, run)`` copies from the peer's own memory at ``addr`` (``single_copy``
   links only): a peer posts the address of its user buffer with a signal's ``value``, and
   the reader fetches the bytes in one copy, with no staging through CCL buffers.
+* ``view(addr, nbytes)`` is the peer's memory at ``addr`` mapped here, where the peer made it
+  with ``ahcomm.alloc`` (else None): an algorithm reduces straight out of it, and ``read``
+  copies from it instead of going through the kernel.
 * ``send_message(key, meta, data)`` / ``message(key)`` carry point-to-point messages
   (send/recv), outside the collectives' buffers: a message is matched by its key
   (user tag, per-pair sequence number), whether it arrives before or after it is asked for.
@@ -158,6 +161,7 @@ class DataLink(Protocol):
     def put(self, src: np.ndarray, buf: str, offset: int, seq: int, run: MemoryRunner) -> Awaitable[Any] | None: ...
     def remote(self, buf: str) -> np.ndarray: ...
     def read(self, dst: np.ndarray, addr: int, run: MemoryRunner) -> Awaitable[Any] | None: ...
+    def view(self, addr: int, nbytes: int) -> np.ndarray | None: ...
     async def flush(self) -> None: ...
     def check_fingerprint(self, seq: int, fingerprint: int) -> None: ...
     @property
@@ -325,6 +329,11 @@ class Link(ABC):
     def read(self, dst: np.ndarray, addr: int, run: MemoryRunner) -> "Awaitable[Any] | None":
         """Copy ``dst.nbytes`` bytes from the peer's memory at ``addr`` into ``dst``."""
         raise NotImplementedError(f"{self.kind} links cannot read a peer's memory")
+
+    def view(self, addr: int, nbytes: int) -> np.ndarray | None:
+        """The peer's memory at ``addr`` (``nbytes``, uint8) mapped here, where the peer allocated
+        it with ``ahcomm.alloc`` and this link can map it; else None."""
+        return None
 
     async def flush(self) -> None:
         """Wait until every put so far has landed at the peer (no-op where puts are copies)."""

@@ -18,6 +18,7 @@ import numpy as np
 
 from .._buffers import CclBuffers
 from .._memcopy import read_bounced
+from .._peer_memory import local_view
 from .base import (
     EAGER_BYTES,
     MAX_CONTROL,
@@ -85,6 +86,9 @@ class InprocLink(MappedAccess, Link):
     def read(self, dst: np.ndarray, addr: int, run: MemoryRunner) -> "Awaitable[Any] | None":
         self.bytes_received += dst.nbytes
         return run(_memmove, dst, addr)
+
+    def view(self, addr: int, nbytes: int) -> np.ndarray | None:
+        return local_view(addr, nbytes)  # one process: the peer's alloc memory is this process's
 
     def send_message(self, key: MessageKey, meta: bytes, data: np.ndarray) -> "Awaitable[None] | None":
         assert self.twin is not None

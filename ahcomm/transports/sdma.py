@@ -18,6 +18,8 @@ import zmq
 
 from .._buffers import CclBuffers, SharedRegion
 from .._errors import ConnectError, PeerFailure, TransportError
+from .._memcopy import copy
+from .._peer_memory import PeerMemory
 from . import _cma
 from ._notify_ring import Outbox
 from ._wire import Malformed
@@ -31,7 +33,7 @@ class SdmaLink(MappedAccess, ZmqLink):
     def __init__(self, rank: int, peer: int, channel: Channel, endpoint: str, shm_in: str, shm_out: str,
                  nbytes: int, on_progress: ProgressHook | None, pid: int = 0, probe_addr: int = 0, *,
                  parent: "SdmaLink | None" = None, domain: int = 0, notify: dict[str, Any] | None = None,
-                 notify_ring: int = -1) -> None:
+                 notify_ring: int = -1, memory: str | None = None) -> None:
         self._regions = (SharedRegion.attach(shm_in, nbytes), SharedRegion.attach(shm_out, nbytes))
         self._remote = (self._regions[0].array, self._regions[1].array)
         try:
@@ -43,11 +45,15 @@ class SdmaLink(MappedAccess, ZmqLink):
         self.pid = pid
         self._notify_ring = notify_ring  # this rank's ring in the peer's inbox (its place among the host's ranks)
         self._outbox: Outbox | None = None  # (a connection's first link) that ring, mapped here
+        self._memory: PeerMemory | None = None  # (a connection's first link) the peer's ahcomm.alloc memory
+        self.mapped_read_bytes = 0  # read() served from the peer's alloc memory, mapped here
+        self.kernel_read_bytes = 0  # read() through process_vm_readv
         if parent is not None:
             self.single_copy = parent.single_copy  # the same process: probed already
         else:
             self.single_copy = bool(pid and probe_addr and _cma.probe(pid, probe_addr))
             self._outbox = self._open_outbox(notify)
+            self._memory = PeerMemory(memory) if memory else None
 
     @property
     def outbox(self) -> Outbox | None:
@@ -131,10 +137,28 @@ class SdmaLink(MappedAccess, ZmqLink):
         out = super().stats()
         box = self.outbox
         out["notifies"] = "zeromq" if box is None or box.sticky else "shared memory"  # how posts travel now
+        out["read_bytes"] = {"mapped": self.mapped_read_bytes, "kernel": self.kernel_read_bytes}
         return out
+
+    def _view(self, addr: int, nbytes: int) -> np.ndarray | None:
+        root = self.root
+        memory = root._memory if isinstance(root, SdmaLink) else None
+        return None if memory is None else memory.view(addr, nbytes)
+
+    def view(self, addr: int, nbytes: int) -> np.ndarray | None:
+        src = self._view(addr, nbytes)
+        if src is not None:  # handed out to be read: counted as received
+            self.bytes_received += nbytes
+            self.mapped_read_bytes += nbytes
+        return src
 
     def read(self, dst: np.ndarray, addr: int, run: MemoryRunner) -> "Awaitable[Any] | None":
         self.bytes_received += dst.nbytes
+        src = self._view(addr, dst.nbytes) if dst.flags.c_contiguous else None
+        if src is not None:
+            self.mapped_read_bytes += dst.nbytes
+            return run(copy, dst.reshape(-1).view(np.uint8), src)
+        self.kernel_read_bytes += dst.nbytes
         return run(self._read, dst, addr)
 
     def _read(self, dst: np.ndarray, addr: int) -> None:
@@ -156,6 +180,9 @@ class SdmaLink(MappedAccess, ZmqLink):
         if self._outbox is not None:
             self._outbox.close()
             self._outbox = None
+        if self._memory is not None:
+            self._memory.close()
+            self._memory = None
         self._remote = (np.empty(0, np.uint8), np.empty(0, np.uint8))  # no view may keep the mapping
         for region in self._regions:
             region.close()

@@ -1,0 +1,259 @@
+"""ahcomm.alloc: memory this host's peers map, and the collectives that read it where it lies.
+
+The owner's table and segments, a reader's mappings (stale ids, a table being edited), the
+in-process and sdma links' ``view``, mesh's all_reduce reducing a mapped share, direct and
+mesh reading mapped buffers, buffers from alloc on some ranks only, and real processes.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import ahcomm
+from ahcomm import _peer_memory
+from ahcomm._peer_memory import PeerMemory, alloc, table_name
+from ahcomm._rendezvous import check_entry
+from ahcomm.transports.inproc import InprocLink
+from ahcomm.transports.sdma import SdmaLink
+
+from jobs import run_job
+from support.inproc import links_of, run_inproc
+
+HERE = Path(__file__).parent
+SHM = Path("/dev/shm")
+
+
+def _segment(array: np.ndarray) -> Path:
+    """The /dev/shm file behind an array from alloc."""
+    owner = _peer_memory._owner()
+    for ident, (base, size, *_) in owner.segments.items():
+        if base <= array.ctypes.data < base + max(size, 1):
+            return SHM / f"{owner.name}-{ident}"
+    raise AssertionError("not an array from alloc")
+
+
+def test_alloc_gives_zeroed_arrays_of_the_shape_and_dtype() -> None:
+    a = alloc((3, 5), np.int16)
+    assert a.shape == (3, 5) and a.dtype == np.int16 and not a.any() and a.flags.c_contiguous
+    a[:] = 7
+    assert int(a.sum()) == 7 * 15
+    assert alloc(0).shape == (0,) and alloc(4).dtype == np.float32
+
+
+def test_alloc_refuses_what_it_cannot_share() -> None:
+    with pytest.raises(ValueError, match="shape"):
+        alloc((2, -1))
+    with pytest.raises(TypeError, match="Python objects"):
+        alloc(3, object)
+
+
+def test_an_array_is_freed_when_nothing_refers_to_it() -> None:
+    a = alloc(1 << 16, np.uint8)
+    path = _segment(a)
+    view = a[10:20]
+    del a
+    gc.collect()
+    assert path.exists()  # a view keeps it
+    del view
+    gc.collect()
+    assert not path.exists()
+
+
+def test_a_reader_maps_the_owners_memory() -> None:
+    reader = PeerMemory(table_name())
+    try:
+        a = alloc(1000, np.int64)
+        a[:] = np.arange(1000)
+        got = reader.view(a.ctypes.data + 80, 160)
+        assert got is not None and np.array_equal(got.view(np.int64), np.arange(10, 30))
+        a[10] = -1  # the same pages, not a copy
+        assert got.view(np.int64)[0] == -1
+        assert reader.view(a.ctypes.data + 8 * 990, 8 * 11) is None  # runs past the end
+        private = np.ones(1000)
+        assert reader.view(private.ctypes.data, 8) is None
+    finally:
+        reader.close()
+
+
+def test_a_reader_never_takes_freed_memory_for_new_memory_at_its_address() -> None:
+    reader = PeerMemory(table_name())
+    try:
+        a = alloc(1 << 16, np.uint8)
+        a[:] = 1
+        old = a.ctypes.data
+        assert reader.view(old, a.nbytes) is not None
+        del a
+        gc.collect()
+        b = alloc(1 << 16, np.uint8)
+        b[:] = 2
+        got = reader.view(b.ctypes.data, b.nbytes)
+        assert got is not None and int(got[0]) == 2
+        if b.ctypes.data != old:
+            assert reader.view(old, 1 << 16) is None
+    finally:
+        reader.close()
+
+
+def test_a_reader_gives_up_on_a_table_that_keeps_changing() -> None:
+    a = alloc(64, np.uint8)
+    rows = _peer_memory._owner()._rows
+    assert rows is not None
+    reader = PeerMemory(table_name())
+    rows[0] += 1  # the owner is "editing" for good: the reader must not spin forever
+    try:
+        assert reader.view(a.ctypes.data, 64) is None
+    finally:
+        rows[0] += 1
+        reader.close()
+    reader = PeerMemory(table_name())
+    try:
+        assert reader.view(a.ctypes.data, 64) is not None
+    finally:
+        reader.close()
+
+
+def test_a_peer_without_alloc_memory_is_read_through_the_kernel() -> None:
+    reader = PeerMemory(f"{table_name()}-none")  # a table that was never made
+    assert reader.view(1 << 20, 8) is None
+    reader.close()
+
+
+def test_the_rendezvous_checks_the_table_name() -> None:
+    entry = {"rank": 0, "size": 2, "buffsize": 1, "pid": 1, "probe": 0, "host": "h",
+             "endpoints": {"ipc": "ipc:///tmp/x"}, "memory": "ahcomm-1-mem-ab"}
+    assert check_entry(dict(entry))["memory"] == "ahcomm-1-mem-ab"
+    for bad in ("/etc/passwd", "ahcomm-1/../x", 5):
+        with pytest.raises(ValueError, match="memory"):
+            check_entry({**entry, "memory": bad})
+
+
+# -- collectives in one process ------------------------------------------------------------------
+
+def _count_views(monkeypatch: pytest.MonkeyPatch, cls: Any) -> list[int]:
+    """Record the bytes of every view a link of ``cls`` handed out."""
+    given: list[int] = []
+    real = cls.view
+
+    def view(self: Any, addr: int, nbytes: int) -> Any:
+        got = real(self, addr, nbytes)
+        if got is not None:
+            given.append(nbytes)
+        return got
+
+    monkeypatch.setattr(cls, "view", view)
+    return given
+
+
+def _data(rank: int, count: int, dtype: Any, salt: int = 0) -> np.ndarray:
+    return ((np.arange(count) * 7 + rank * 13 + salt) % 101).astype(dtype)
+
+
+def _buffer(rank: int, count: int, dtype: Any, registered: bool, salt: int = 0) -> np.ndarray:
+    x = alloc(count, dtype) if registered else np.empty(count, dtype)
+    x[:] = _data(rank, count, dtype, salt)
+    return x
+
+
+@pytest.mark.parametrize("transport,cls", [("inproc", InprocLink), ("sdma", SdmaLink)])
+@pytest.mark.parametrize("size", [2, 3, 4])
+@pytest.mark.parametrize("who", ["all", "some"])
+async def test_mesh_all_reduce_reduces_mapped_shares_where_they_lie(transport: str, cls: Any, size: int, who: str,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    given = _count_views(monkeypatch, cls)
+    count = 300_001  # above mesh's single-copy threshold, odd, several scratch pieces per share
+
+    async def body(comm: ahcomm.Comm) -> None:
+        registered = who == "all" or comm.rank % 2 == 0
+        for k, dtype in enumerate([np.float32, np.int32, np.float64]):
+            want = sum(_data(p, count, dtype, k) for p in range(size)).astype(dtype)
+            x = _buffer(comm.rank, count, dtype, registered, k)
+            out = alloc(count, dtype) if registered else None
+            got = await comm.all_reduce(x, out=out, algorithm="mesh")
+            assert np.array_equal(got, want), (dtype, "out of place")
+            assert np.array_equal(x, _data(comm.rank, count, dtype, k))
+            got = await comm.all_reduce(x, out=x, algorithm="mesh")
+            assert np.array_equal(x, want), (dtype, "in place")
+
+    await run_inproc(size, body, transport=transport)
+    assert given, "no share was reduced where it lies"
+
+
+@pytest.mark.parametrize("transport", ["inproc", "sdma"])
+@pytest.mark.parametrize("algorithm", ["mesh", "direct"])
+@pytest.mark.parametrize("size", [2, 3])
+async def test_readers_copy_from_mapped_buffers(transport: str, algorithm: str, size: int) -> None:
+    count = (1 << 20) + 3  # above both algorithms' single-copy thresholds
+
+    async def body(comm: ahcomm.Comm) -> dict[str, int]:
+        r = comm.rank
+        for root in range(size):
+            x = _buffer(r, count, np.float32, True, root)
+            got = await comm.broadcast(x, root, out=x, algorithm=algorithm)
+            assert np.array_equal(got, _data(root, count, np.float32, root))
+        got = await comm.all_gather(_buffer(r, count, np.float32, r % 2 == 0), algorithm=algorithm)
+        assert np.array_equal(got.reshape(-1), np.concatenate([_data(p, count, np.float32) for p in range(size)]))
+        reads = {"mapped": 0, "kernel": 0}
+        for stats in comm.stats()["links"].values():
+            for key, value in stats.get("read_bytes", {}).items():
+                reads[key] += value
+        return reads
+
+    reads = await run_inproc(size, body, transport=transport)
+    if transport == "sdma":
+        assert all(r["mapped"] > 0 for r in reads), reads
+        assert any(r["kernel"] > 0 for r in reads), reads  # the all_gather's blocks from odd ranks
+
+
+async def test_a_view_over_sdma_sees_the_peers_memory_not_a_copy() -> None:
+    async def body(comm: ahcomm.Comm) -> None:
+        x = alloc(4096, np.uint8)
+        x[:] = comm.rank + 1
+        addrs = await comm.all_gather(np.array([x.ctypes.data], np.uint64))
+        await comm.barrier()
+        for peer, link in links_of(comm).items():
+            got = link.view(int(addrs.reshape(-1)[peer]), 4096)
+            assert got is not None and int(got[0]) == peer + 1 and int(got[-1]) == peer + 1
+        await comm.barrier()
+        del x
+
+    await run_inproc(3, body, transport="sdma")
+
+
+# -- real processes ----------------------------------------------------------------------------
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("n,who", [(2, "all"), (3, "some"), (4, "all")])
+def test_real_processes(n: int, who: str) -> None:
+    before = {p.name for p in SHM.glob("ahcomm-*")}
+    proc = run_job(n, str(HERE / "mp_peer_memory.py"), timeout=240, env={
+        "PYTHONPATH": f"{HERE}{os.pathsep}{HERE.parent}", "AHCOMM_TRANSPORT": "sdma", "AHCOMM_BUFFSIZE": "1",
+        "WHO": who})
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    for r in range(n):
+        match = re.search(rf"\[{r}\] OK mapped (\d+) kernel (\d+)", out)
+        assert match is not None, out
+        mapped, kernel = int(match.group(1)), int(match.group(2))
+        assert mapped > 0, out
+        if who == "all":
+            assert kernel == 0, out  # every read of a peer came out of its mapped memory
+    left = {p.name for p in SHM.glob("ahcomm-*")} - before
+    assert not [name for name in left if "-mem-" in name], left
+
+
+def test_alloc_without_room_says_what_to_do(monkeypatch: pytest.MonkeyPatch) -> None:
+    from ahcomm._buffers import SharedRegion
+
+    def full(self: Any, fd: int, nbytes: int, local_ranks: int) -> None:
+        raise ahcomm.ConfigError("no room")
+
+    monkeypatch.setattr(SharedRegion, "_reserve", full)
+    with pytest.raises(ahcomm.ConfigError, match=r"ahcomm.alloc of 4.0 MiB: /dev/shm .*shm-size.*ordinary array"):
+        alloc(1 << 20)
