@@ -199,10 +199,11 @@ class LocalRegion(Region):
 class SharedRegion(Region):
     """A mapping of /dev/shm/<name>; created by its owner, attached by peers."""
 
-    def __init__(self, name: str, nbytes: int, *, create: bool, local_ranks: int = 1, prefault: bool = True) -> None:
+    def __init__(self, name: str, nbytes: int, *, create: bool, local_ranks: int = 1, prefault: bool = True,
+                 readonly: bool = False) -> None:
         self.name = name
         self._path = os.path.join(SHM_DIR, name)
-        flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
+        flags = (os.O_RDONLY if readonly and not create else os.O_RDWR) | (os.O_CREAT | os.O_EXCL if create else 0)
         try:
             fd = os.open(self._path, flags, 0o600)
         except FileNotFoundError:
@@ -220,7 +221,8 @@ class SharedRegion(Region):
             elif os.fstat(fd).st_size < nbytes:
                 raise ConnectError(f"shared region {self._path} is smaller than {nbytes} bytes")
             populate = getattr(mmap, "MAP_POPULATE", 0) if prefault else 0
-            self._map: mmap.mmap | None = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED | populate)
+            prot = mmap.PROT_READ | (0 if readonly and not create else mmap.PROT_WRITE)
+            self._map: mmap.mmap | None = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED | populate, prot=prot)
         except BaseException:
             if create:
                 self.unlink()
@@ -251,8 +253,8 @@ class SharedRegion(Region):
                    local_ranks=local_ranks, prefault=prefault)
 
     @classmethod
-    def attach(cls, name: str, nbytes: int) -> "SharedRegion":
-        return cls(name, nbytes, create=False)
+    def attach(cls, name: str, nbytes: int, *, readonly: bool = False) -> "SharedRegion":
+        return cls(name, nbytes, create=False, readonly=readonly)
 
     def unlink(self) -> None:
         """Remove the name; mappings stay valid until closed (no leak if the job dies)."""

@@ -1,26 +1,33 @@
 """Memory that this host's peers map: ``alloc`` (NCCL's ``ncclMemAlloc`` and registration in one).
 
-A single-copy collective (mesh's all_reduce, all_gather, broadcast) reads its peers' user
-buffers by address. Ordinary memory is private, so a reader goes through the kernel
+A single-copy collective (mesh's all_reduce, all_gather, broadcast; direct) reads its peers'
+user buffers by address. Ordinary memory is private, so a reader goes through the kernel
 (``process_vm_readv``: pages pinned at every call, and all_reduce stages each piece in a scratch
 buffer before reducing it). An array from ``alloc`` lives in a POSIX shared-memory segment
-instead: a reader maps the segment once and then reads or reduces straight out of it, at the
-speed of a ``memcpy`` (2-rank in-place all_reduce of 64 MiB on the 2-core Intel VM: about 6 ms
-of copies and sums against 12 through the kernel). Mapped reads also work where the kernel
-forbids cross-memory attach (a ptrace policy, a container).
+instead: a reader maps the segment once (read-only) and then reads or reduces straight out of
+it, at the speed of a ``memcpy`` (2-rank in-place all_reduce of 64 MiB on the 2-core Intel VM:
+7.5 ms against 13 through the kernel). The single-copy paths run only where the kernel lets
+ranks read each other's memory (``Topology.single_copy``): ``alloc`` makes them faster, it
+does not turn them on.
 
 The owner lists its segments in a small table, itself a segment named in the rendezvous: a
 version (odd while the owner edits it; a reader copies the table and retries until it read
-one even version twice) and ``SLOTS`` rows of (id, address, bytes); a segment's name is the
-table's plus its id, and ids are never reused, so a reader's cached mapping cannot stand for
-newer memory at the same address. A segment is freed (its row cleared, its name unlinked) when
-its array is no longer referenced; by then every collective that posted its address has ended,
-and with it every peer's read.
+one even version twice: sound on x86's ordered stores, not proven on weaker memory models)
+and ``SLOTS`` rows of (id, address, bytes); a segment's name is the table's plus its id. Ids
+are never reused and a reader takes the newest row that covers an address; a new segment
+unlists any older row over its addresses (one unmapped whose free has not run yet), so a
+cached mapping never stands for newer memory at the same address. A segment is unlisted and
+its name unlinked when its mapping goes (when no array refers to it): by then every collective
+that posted its address has ended, and with it every peer's read. A peer lets go of its own
+mapping at its next read from the owner (or at ``suspend``), so the pages are returned then.
+A forked child shares the parent's segments (``MAP_SHARED``: its writes show in the parent)
+and leaves the table alone.
 """
 
 from __future__ import annotations
 
 import atexit
+import collections
 import math
 import mmap
 import os
@@ -52,6 +59,7 @@ class _Owner:
         self._next_id = 1
         # id -> (address, bytes, the region (its name), its mapping while an array holds it)
         self.segments: dict[int, tuple[int, int, SharedRegion, weakref.ref[mmap.mmap]]] = {}
+        self._dead: collections.deque[int] = collections.deque()  # freed, not yet unlisted
 
     def _rows_of_table(self) -> np.ndarray:
         if self._rows is None:
@@ -60,39 +68,68 @@ class _Owner:
             self._rows = self._table.array.view(np.int64)
         return self._rows
 
+    def _unlist(self, rows: np.ndarray, hit: np.ndarray) -> None:
+        rows[0] += 1  # odd: a reader retries
+        for i in hit:
+            rows[1 + int(i) * _ROW: 1 + (int(i) + 1) * _ROW] = 0
+        rows[0] += 1
+
+    def _reap(self) -> None:
+        """Unlist and unlink the segments freed since (the lock held)."""
+        while self._dead:
+            ident = self._dead.popleft()
+            entry = self.segments.pop(ident, None)
+            if entry is None:
+                continue
+            if self._rows is not None:
+                self._unlist(self._rows, np.flatnonzero(self._rows[1::_ROW] == ident))
+            entry[2].unlink()
+
     def add(self, nbytes: int) -> tuple[int, mmap.mmap]:
         """A new segment of ``nbytes``, listed: (its id, its mapping, which only its arrays keep)."""
         with self.lock:
+            self._reap()
             rows = self._rows_of_table()
             free = np.flatnonzero(rows[1::_ROW] == 0)
             if free.size == 0:
                 raise UsageError(f"ahcomm.alloc: this process already holds {SLOTS} arrays from alloc "
-                                  "(free some: an array is freed when nothing refers to it)")
+                                 "(an array is freed when nothing refers to it)")
             ident = self._next_id
             self._next_id += 1
             region = SharedRegion(f"{self.name}-{ident}", max(nbytes, 1), create=True)
             address = int(region.array.ctypes.data)
             mapping = region.detach()
+            # A row over these addresses is a segment already unmapped whose free has not run yet
+            # (munmap comes before the weakref callbacks): unlist it now, or a reader might map it.
+            table = rows[1:].reshape(SLOTS, _ROW)
+            stale = np.flatnonzero((table[:, 0] != 0) & (table[:, 1] < address + max(nbytes, 1))
+                                   & (table[:, 1] + np.maximum(table[:, 2], 1) > address))
+            if stale.size:
+                self._unlist(rows, stale)
+                for i in stale:
+                    self._dead.append(int(table[int(i), 0]))
             slot = 1 + int(free[0]) * _ROW
-            rows[0] += 1  # odd: a reader retries
+            rows[0] += 1
             rows[slot + 1], rows[slot + 2] = address, nbytes
             rows[slot] = ident
             rows[0] += 1
             self.segments[ident] = (address, nbytes, region, weakref.ref(mapping))
+            self._reap()
             return ident, mapping
 
     def free(self, ident: int) -> None:
-        """Unlist segment ``ident`` and unlink its name (its mapping is gone, or going)."""
-        with self.lock:
-            _, _, region, _ = self.segments.pop(ident)
-            rows = self._rows
-            if rows is not None:
-                hit = np.flatnonzero(rows[1::_ROW] == ident)
-                rows[0] += 1
-                for i in hit:
-                    rows[1 + int(i) * _ROW: 1 + (int(i) + 1) * _ROW] = 0
-                rows[0] += 1
-            region.unlink()
+        """Segment ``ident``'s mapping is gone (or going): unlist it and unlink its name, now if the
+        lock is free, else at the next ``add`` (this may run from a garbage collection inside
+        ``add`` on this very thread). Only in the process that made it: a forked child shares the
+        table with its parent."""
+        if os.getpid() != self.pid:
+            return
+        self._dead.append(ident)
+        if self.lock.acquire(blocking=False):
+            try:
+                self._reap()
+            finally:
+                self.lock.release()
 
     def find(self, address: int, nbytes: int) -> np.ndarray | None:
         """A view of this process's own allocation at ``address`` (the in-process transport)."""
@@ -135,13 +172,17 @@ def alloc(shape: int | tuple[int, ...], dtype: Any = np.float32) -> np.ndarray:
     """A zeroed array in memory that this host's peers map (see the module's text): collectives
     that read peers' buffers directly read or reduce straight out of it. Use it for buffers that
     are reused (a model's activations, a benchmark's): each call makes a shared-memory segment
-    (a /dev/shm file and a mapping, tens of microseconds). Freed when nothing refers to it."""
+    (a /dev/shm file; its pages are reserved and faulted in at once, about a millisecond per
+    8 MiB), at most ``SLOTS`` at once per process. Freed when nothing refers to it."""
     dt = np.dtype(dtype)
     dims = (shape,) if isinstance(shape, (int, np.integer)) else tuple(shape)
     if any(not isinstance(d, (int, np.integer)) or d < 0 for d in dims):
         raise ValueError(f"ahcomm.alloc: shape must be non-negative integers, got {shape!r}")
     if dt.hasobject:
         raise TypeError(f"ahcomm.alloc: dtype {dt} holds Python objects, which cannot be shared")
+    if dt.subdtype is not None:  # as numpy does: (float32, (3,)) is three float32s more per element
+        dt, more = dt.subdtype
+        dims += more
     nbytes = math.prod(dims) * dt.itemsize
     owner = _owner()
     try:
@@ -152,8 +193,8 @@ def alloc(shape: int | tuple[int, ...], dtype: Any = np.float32) -> np.ndarray:
         raise ConfigError(f"ahcomm.alloc of {nbytes / MiB:.1f} MiB: {where} (a container's default is 64 MiB: "
                           "docker run --shm-size=1g). An ordinary array works too: collectives read it "
                           "through the kernel") from None
-    array: np.ndarray = np.frombuffer(mapping, np.uint8, nbytes).view(dt).reshape(dims)
     weakref.finalize(mapping, owner.free, ident)  # numpy's views all hold the mapping, not this array
+    array: np.ndarray = np.frombuffer(mapping, np.uint8, nbytes).view(dt).reshape(dims)
     return array
 
 
@@ -164,10 +205,11 @@ def local_view(address: int, nbytes: int) -> np.ndarray | None:
 
 
 class PeerMemory:
-    """A reader's view of one peer's ``alloc`` memory, by the peer's table name."""
+    """A reader's view of one peer's ``alloc`` memory, by the peer's table name (mapped read-only)."""
 
     def __init__(self, name: str) -> None:
         self.name = name
+        self._path = os.path.join(SHM_DIR, name)
         self._lock = threading.Lock()
         self._table: SharedRegion | None = None
         self._version = -1
@@ -176,16 +218,17 @@ class PeerMemory:
         self.closed = False
 
     def view(self, address: int, nbytes: int) -> np.ndarray | None:
-        """The peer's memory at ``address`` as uint8 (mapped here), or None where it is not from
-        the peer's ``alloc`` (the caller reads through the kernel)."""
+        """The peer's memory at ``address`` as read-only uint8 (mapped here), or None where it is
+        not from the peer's ``alloc`` (the caller reads through the kernel)."""
         with self._lock:
-            for ident, base, size in self._current():
+            for ident, base, size in self._current():  # newest first
                 if base <= address and address + nbytes <= base + size:
                     region = self._maps.get(ident)
                     if region is None:
                         try:
-                            region = self._maps[ident] = SharedRegion.attach(f"{self.name}-{ident}", size)
-                        except (OSError, AhcommError):
+                            region = self._maps[ident] = SharedRegion.attach(f"{self.name}-{ident}", size,
+                                                                             readonly=True)
+                        except (OSError, ValueError, AhcommError):
                             return None  # freed meanwhile: not a buffer in use
                     return region.array[address - base:address - base + nbytes]
         return None
@@ -194,10 +237,12 @@ class PeerMemory:
         if self.closed:
             return []
         if self._table is None:
-            try:
-                self._table = SharedRegion.attach(self.name, TABLE_BYTES)
-            except (OSError, AhcommError):
+            if not os.path.exists(self._path):
                 return []  # the peer has not allocated yet
+            try:
+                self._table = SharedRegion.attach(self.name, TABLE_BYTES, readonly=True)
+            except (OSError, ValueError, AhcommError):
+                return []
         rows = self._table.array.view(np.int64)
         if int(rows[0]) == self._version:
             return self._rows
@@ -211,19 +256,27 @@ class PeerMemory:
         else:
             return []
         table = copy[1:].reshape(SLOTS, _ROW)
-        self._rows = [(int(i), int(a), int(n)) for i, a, n in table[table[:, 0] != 0]]
+        live = table[(table[:, 0] != 0) & (table[:, 2] > 0)]
+        self._rows = sorted(((int(i), int(a), int(n)) for i, a, n in live), reverse=True)
         self._version = before
-        live = {ident for ident, _, _ in self._rows}
-        for ident in [i for i in self._maps if i not in live]:  # freed by the peer: let go of its pages
+        ids = {ident for ident, _, _ in self._rows}
+        for ident in [i for i in self._maps if i not in ids]:  # freed by the peer: let go of its pages
             self._maps.pop(ident).close()
         return self._rows
 
-    def close(self) -> None:
+    def release(self) -> int:
+        """Let go of every mapping (``Comm.suspend``); later views map again. Returns 0: the
+        pages are the peer's."""
         with self._lock:
-            self.closed = True
             for region in self._maps.values():
                 region.close()
             self._maps.clear()
             if self._table is not None:
                 self._table.close()
                 self._table = None
+            self._version = -1
+        return 0
+
+    def close(self) -> None:
+        self.release()
+        self.closed = True

@@ -106,7 +106,8 @@ def check_entry(info: Any) -> dict[str, Any]:
     if shm is not None and not (isinstance(shm, list) and len(shm) == 2 and all(isinstance(n, str) for n in shm)):
         raise ValueError("'shm' must be None or two names")
     memory = info.get("memory")
-    if memory is not None and not (isinstance(memory, str) and memory.startswith(SHM_PREFIX) and "/" not in memory):
+    if memory is not None and not (isinstance(memory, str) and memory.startswith(SHM_PREFIX)
+                                   and "/" not in memory and "\0" not in memory and len(memory) < 200):
         raise ValueError(f"'memory' must be None or a shared-memory name, got {str(memory)[:40]!r}")
     tuning = info.get("tuning")
     if tuning is not None and not (isinstance(tuning, dict) and _plain(tuning)):

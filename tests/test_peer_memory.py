@@ -47,6 +47,11 @@ def test_alloc_gives_zeroed_arrays_of_the_shape_and_dtype() -> None:
     assert alloc(0).shape == (0,) and alloc(4).dtype == np.float32
 
 
+def test_a_subarray_dtype_adds_its_dimensions_as_numpy_does() -> None:
+    a = alloc(4, np.dtype((np.float32, 3)))
+    assert a.shape == (4, 3) and a.dtype == np.float32 and a.shape == np.empty(4, np.dtype((np.float32, 3))).shape
+
+
 def test_alloc_refuses_what_it_cannot_share() -> None:
     with pytest.raises(ValueError, match="shape"):
         alloc((2, -1))
@@ -101,6 +106,81 @@ def test_a_reader_never_takes_freed_memory_for_new_memory_at_its_address() -> No
         reader.close()
 
 
+def _list(row: tuple[int, int, int]) -> None:
+    """Write ``row`` into a free slot of this process's table, as the owner would."""
+    rows = _peer_memory._owner()._rows
+    assert rows is not None
+    slot = 1 + int(np.flatnonzero(rows[1::3] == 0)[0]) * 3
+    rows[0] += 1
+    rows[slot + 1], rows[slot + 2], rows[slot] = row[1], row[2], row[0]
+    rows[0] += 1
+
+
+def test_a_reader_takes_the_newest_row_over_an_address() -> None:
+    a = alloc(4096, np.uint8)
+    a[:] = 5
+    _list((-1, a.ctypes.data, a.nbytes))  # an older segment at the same address, not yet unlisted
+    reader = PeerMemory(table_name())
+    try:
+        got = reader.view(a.ctypes.data, 4096)
+        assert got is not None and int(got[0]) == 5
+    finally:
+        reader.close()
+        owner = _peer_memory._owner()
+        rows = owner._rows
+        assert rows is not None
+        owner._unlist(rows, np.flatnonzero(rows[1::3] == -1))
+
+
+def test_a_new_segment_unlists_older_rows_over_its_addresses() -> None:
+    a = alloc(1 << 16, np.uint8)
+    address, nbytes = a.ctypes.data, a.nbytes
+    del a
+    gc.collect()
+    _list((-2, address, nbytes))  # as if the old segment's free had not run when the new one came
+    owner = _peer_memory._owner()
+    rows = owner._rows
+    assert rows is not None
+    b = alloc(1 << 16, np.uint8)
+    if b.ctypes.data == address:
+        assert not (rows[1::3] == -2).any()
+    else:
+        owner._unlist(rows, np.flatnonzero(rows[1::3] == -2))
+
+
+def test_a_free_during_an_edit_waits_for_the_next_alloc() -> None:
+    owner = _peer_memory._owner()
+    a = alloc(4096, np.uint8)
+    path = _segment(a)
+    with owner.lock:  # a garbage collection inside add() frees an array on add's own thread
+        del a
+        gc.collect()
+        assert path.exists()
+    alloc(16)
+    assert not path.exists()
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork here")
+def test_a_forked_child_leaves_its_parents_segments_alone() -> None:
+    a = alloc(4096, np.uint8)
+    path = _segment(a)
+    pid = os.fork()
+    if pid == 0:  # the child drops its inherited array, collects, and exits through atexit-free _exit
+        try:
+            del a
+            gc.collect()
+            _peer_memory._owners[os.getppid()].close()
+        finally:
+            os._exit(0)
+    os.waitpid(pid, 0)
+    assert path.exists()
+    reader = PeerMemory(table_name())
+    try:
+        assert reader.view(a.ctypes.data, 4096) is not None
+    finally:
+        reader.close()
+
+
 def test_a_reader_gives_up_on_a_table_that_keeps_changing() -> None:
     a = alloc(64, np.uint8)
     rows = _peer_memory._owner()._rows
@@ -129,7 +209,7 @@ def test_the_rendezvous_checks_the_table_name() -> None:
     entry = {"rank": 0, "size": 2, "buffsize": 1, "pid": 1, "probe": 0, "host": "h",
              "endpoints": {"ipc": "ipc:///tmp/x"}, "memory": "ahcomm-1-mem-ab"}
     assert check_entry(dict(entry))["memory"] == "ahcomm-1-mem-ab"
-    for bad in ("/etc/passwd", "ahcomm-1/../x", 5):
+    for bad in ("/etc/passwd", "ahcomm-1/../x", "ahcomm-1-mem\0", 5):
         with pytest.raises(ValueError, match="memory"):
             check_entry({**entry, "memory": bad})
 
@@ -244,8 +324,8 @@ def test_real_processes(n: int, who: str) -> None:
         assert mapped > 0, out
         if who == "all":
             assert kernel == 0, out  # every read of a peer came out of its mapped memory
-    left = {p.name for p in SHM.glob("ahcomm-*")} - before
-    assert not [name for name in left if "-mem-" in name], left
+    left = {p.name for p in SHM.glob("ahcomm-*-mem-*")} - before
+    assert not [name for name in left if not Path(f"/proc/{name.split('-')[1]}").exists()], left
 
 
 def test_alloc_without_room_says_what_to_do(monkeypatch: pytest.MonkeyPatch) -> None:

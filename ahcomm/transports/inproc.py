@@ -88,7 +88,10 @@ class InprocLink(MappedAccess, Link):
         return run(_memmove, dst, addr)
 
     def view(self, addr: int, nbytes: int) -> np.ndarray | None:
-        return local_view(addr, nbytes)  # one process: the peer's alloc memory is this process's
+        src = local_view(addr, nbytes)  # one process: the peer's alloc memory is this process's
+        if src is not None:  # handed out to be read: counted as received
+            self.bytes_received += nbytes
+        return src
 
     def send_message(self, key: MessageKey, meta: bytes, data: np.ndarray) -> "Awaitable[None] | None":
         assert self.twin is not None

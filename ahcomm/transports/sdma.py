@@ -94,6 +94,8 @@ class SdmaLink(MappedAccess, ZmqLink):
 
     def unmap_peer_buffers(self) -> int:
         self._remote = (np.empty(0, np.uint8), np.empty(0, np.uint8))  # no view may keep the mapping
+        if self._memory is not None:  # the peer's alloc memory: mapped again at the next read
+            self._memory.release()
         nbytes = sum(region.nbytes for region in self._regions)
         for region in self._regions:
             region.close()
