@@ -240,7 +240,8 @@ def header(a: argparse.Namespace, results: dict[int, Any], date: str) -> str:
         " broadcast 1), GB/s = 1e9 B/s; all_gather size = total output,"
         " reduce_scatter size = total input",
         "- ratio = ahcomm busbw / peer busbw (>1: ahcomm faster); np above the core count"
-        " oversubscribes; ahcomm:NAME = ahcomm with --algorithm NAME",
+        " oversubscribes; ahcomm:NAME = ahcomm with --algorithm NAME; ahcomm:registered = the same picks"
+        " on buffers from ahcomm.alloc (ahcomm-bench -R)",
         f"- rounds: {a.rounds} (tools interleaved within each round; the median round's row is shown,"
         " every round's busbw on the line below it)",
         f"- load average (1 min) before each round: {', '.join(f'{x:.2f}' for x in a.loads) or '-'}",
