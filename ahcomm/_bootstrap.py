@@ -42,6 +42,7 @@ from .algorithms._selection import Selector
 from .algorithms.base import Topology
 from .algorithms.cost import CostModel
 from .algorithms.cost import load as load_cost_model
+from .transports import _cma
 from .transports._auth import Credentials
 from .transports._host_mailbox import HostMailbox
 from .transports._notify_ring import MAX_RINGS
@@ -130,6 +131,8 @@ async def create(config: Config | None = None, *, rank: int | None = None, world
             except Exception as exc:
                 await _abandon(rank, size, port, cfg, creds, store, host, exc)
                 raise
+            if shared and cfg.single_copy:  # before peers probe us: Yama's scope 1 would refuse them
+                log.debug("rank %d: single-copy reads by peers: %s", rank, _cma.allow_peers())
             info = {
                 "rank": rank, "size": size, "host": host, "endpoints": channel.endpoints,
                 "shm": [buffers.ccl_in.name, buffers.ccl_out.name] if shared else None,

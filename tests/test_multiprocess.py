@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -201,3 +203,46 @@ def test_launcher_multi_host_arguments_are_checked(tmp_path: Path) -> None:
     hostfile.write_text("# comment\nnode1 slots=4\nnode2:2\nnode3\n")
     assert read_hostfile(str(hostfile)) == [("node1", 4), ("node2", 2), ("node3", 1)]
     assert parse_hosts("a:2, b") == [("a", 2), ("b", 1)]
+
+
+class _FakeLibc:
+    def __init__(self, result: int) -> None:
+        self.calls: list[tuple[int, ...]] = []
+        self.result = result
+
+    def prctl(self, *args: Any) -> int:
+        self.calls.append(tuple(a.value for a in args))
+        return self.result
+
+
+@pytest.mark.parametrize("scope,result,expect", [
+    (None, 0, "open"), ("0", 0, "open"), ("1", 0, "allowed"), ("1", -1, "refused: prctl"),
+    ("2", 0, "refused: Yama ptrace_scope is 2"), ("3", 0, "refused: Yama ptrace_scope is 3")])
+def test_peers_may_read_us_under_yamas_relational_scope(scope: str | None, result: int, expect: str,
+                                                       tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ubuntu's ptrace_scope 1 lets a process read only its descendants, so sibling ranks could not
+    read each other; a rank lifts it for itself (as OpenMPI and MPICH do), and only there."""
+    from ahcomm.transports import _cma
+
+    path = tmp_path / "ptrace_scope"
+    if scope is not None:
+        path.write_text(scope + "\n")
+    libc = _FakeLibc(result)
+    monkeypatch.setattr(_cma, "_libc", libc)
+    assert _cma.allow_peers(str(path)).startswith(expect)
+    assert libc.calls == ([(_cma.PR_SET_PTRACER, _cma.PR_SET_PTRACER_ANY, 0, 0, 0)] if scope == "1" else [])
+
+
+@pytest.mark.parametrize("single", ["1", "0"])
+def test_init_opens_the_rank_to_its_peers_reads_unless_single_copy_is_off(single: str) -> None:
+    program = ("import asyncio, logging, ahcomm\n"
+               "logging.basicConfig(level=logging.DEBUG, format='%(name)s %(message)s')\n"
+               "async def main():\n"
+               "    comm = await ahcomm.init()\n"
+               "    await comm.close()\n"
+               "asyncio.run(main())\n")
+    proc = launch(2, sys.executable, "-c", program, env={"AHCOMM_TRANSPORT": "sdma", "AHCOMM_SINGLE_COPY": single})
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    said = re.findall(r"ahcomm.security rank (\d): single-copy reads by peers: (open|allowed|refused.*)", out)
+    assert sorted(int(r) for r, _ in said) == ([0, 1] if single == "1" else []), out

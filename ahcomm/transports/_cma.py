@@ -4,6 +4,11 @@
 SDMA engine reads a peer's memory: one copy instead of staging through shared memory.
 It needs ptrace-level permission over the peer (same user, no restrictive Yama policy);
 ``probe`` finds out before anything relies on it. ctypes releases the GIL for the call.
+
+Where Yama's ``ptrace_scope`` is 1 (Ubuntu's default), a process may read only its
+descendants: ranks, which are siblings, may not read each other. ``allow_peers`` lifts that for
+this process (``prctl(PR_SET_PTRACER, PR_SET_PTRACER_ANY)``: any process of the same user may
+then read, or attach to, this one), as OpenMPI's and MPICH's CMA support do at init.
 """
 
 from __future__ import annotations
@@ -57,3 +62,32 @@ def probe(pid: int, addr: int, nbytes: int = 64) -> bool:
         return True
     except OSError:
         return False
+
+
+YAMA_SCOPE = "/proc/sys/kernel/yama/ptrace_scope"
+PR_SET_PTRACER = 0x59616D61
+PR_SET_PTRACER_ANY = ctypes.c_ulong(-1).value
+
+
+def allow_peers(scope_file: str = YAMA_SCOPE) -> str:
+    """Let this user's other processes read this one's memory where Yama asks for it (see the
+    module's text). Returns what it found: "open" (no Yama, or scope 0: nothing to do),
+    "allowed" (scope 1, lifted for this process), or "refused: ..." (scope 2 or 3, which no
+    process can lift for itself, or prctl failed)."""
+    try:
+        with open(scope_file) as f:
+            scope = f.read().strip()
+    except OSError:
+        return "open"
+    if scope == "0":
+        return "open"
+    if scope != "1":
+        return f"refused: Yama ptrace_scope is {scope}"
+    prctl = getattr(_libc, "prctl", None)
+    if prctl is None:
+        return "refused: no prctl"
+    if prctl(ctypes.c_int(PR_SET_PTRACER), ctypes.c_ulong(PR_SET_PTRACER_ANY), ctypes.c_ulong(0),
+             ctypes.c_ulong(0), ctypes.c_ulong(0)) != 0:
+        return f"refused: prctl(PR_SET_PTRACER) failed: {os.strerror(ctypes.get_errno())}"
+    return "allowed"
+
