@@ -337,3 +337,21 @@ def test_alloc_without_room_says_what_to_do(monkeypatch: pytest.MonkeyPatch) -> 
     monkeypatch.setattr(SharedRegion, "_reserve", full)
     with pytest.raises(ahcomm.ConfigError, match=r"ahcomm.alloc of 4.0 MiB: /dev/shm .*shm-size.*ordinary array"):
         alloc(1 << 20)
+
+
+async def test_a_sub_communicator_reads_mapped_buffers_through_its_parents_connections(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    given = _count_views(monkeypatch, SdmaLink)
+    count = 300_001
+
+    async def body(comm: ahcomm.Comm) -> None:
+        sub = await comm.split(comm.rank % 2)
+        assert sub is not None
+        members = [p for p in range(comm.size) if p % 2 == comm.rank % 2]
+        x = _buffer(comm.rank, count, np.float32, True)
+        await sub.all_reduce(x, out=x, algorithm="mesh")
+        assert np.array_equal(x, sum(_data(p, count, np.float32) for p in members).astype(np.float32))
+        await sub.close()
+
+    await run_inproc(4, body, transport="sdma")
+    assert given, "the sub-communicator's links mapped nothing"
