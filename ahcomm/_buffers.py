@@ -29,6 +29,7 @@ import secrets
 import signal
 import threading
 import weakref
+from collections.abc import Collection
 from types import FrameType
 from typing import Protocol
 
@@ -148,10 +149,11 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def reclaim_stale(directory: str = SHM_DIR) -> list[str]:
+def reclaim_stale(directory: str = SHM_DIR, pids: Collection[int] | None = None) -> list[str]:
     """Unlink the shared-memory segments of dead ahcomm processes on this host (their creator's
-    pid, encoded in the name, no longer runs); return the names removed. Segments of live
-    processes and of other users stay; errors are ignored (best effort, safe to race)."""
+    pid, encoded in the name, no longer runs), or of those of ``pids`` that are dead; return the
+    names removed. Segments of live processes and of other users stay; errors are ignored (best
+    effort, safe to race)."""
     removed: list[str] = []
     try:
         names = os.listdir(directory)
@@ -160,7 +162,7 @@ def reclaim_stale(directory: str = SHM_DIR) -> list[str]:
     uid = os.getuid() if hasattr(os, "getuid") else None
     for name in names:
         match = _NAME.match(name)
-        if match is None or _alive(int(match.group(1))):
+        if match is None or (pids is not None and int(match.group(1)) not in pids) or _alive(int(match.group(1))):
             continue
         path = os.path.join(directory, name)
         try:

@@ -530,7 +530,9 @@ class Comm(ThreadsafeCalls, BlockedCollectives, ObjectCollectives, PointToPoint)
         algorithm has several (``direct.single_copy``: reads of peers' user buffers, ``direct.staged``:
         its fallback through the mailboxes); ``results_reused``: results (calls without ``out=``) given
         memory of an earlier result its caller had dropped, and ``results_kept_bytes`` the bytes kept
-        for that (``AHCOMM_RESULT_CACHE_MB``; shared with the communicator's parent and children)."""
+        for that (``AHCOMM_RESULT_CACHE_MB``; shared with the communicator's parent and children).
+        On sdma links, ``read_bytes``: bytes read of the peer's user buffers, ``mapped`` (out of its
+        ``ahcomm.alloc`` memory) and ``kernel`` (through ``process_vm_readv``)."""
         return {"rank": self.rank, "size": self.size, "seq": self._seq, "single_copy": self.topology.single_copy,
                 "paths": dict(self._executor.paths), "results_reused": self._results.reused,
                 "results_kept_bytes": self._results.kept_bytes,

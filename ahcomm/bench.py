@@ -51,7 +51,7 @@ async def sweep(comm: Any, args: argparse.Namespace, algorithm: str | None) -> l
     dtype, n = np.dtype(args.dtype), comm.size
     if comm.rank == 0:
         print(f"# ahcomm-bench {args.op}  np={n}  dtype={dtype}  algorithm={algorithm or 'auto'}"
-              f"  {'in-place' if args.inplace else 'out-of-place'}{'  registered' if args.registered else ''}  links="
+              f"  {'in-place' if args.inplace else 'out-of-place'}{_registered(comm, args)}  links="
               f"{','.join(sorted({link['kind'] for link in comm.stats()['links'].values()})) or 'none'}")
         print(f"#{'size':>12} {'count':>12} {'type':>8} {'redop':>6} {'root':>5} "
               f"{'time(us)':>11} {'algbw':>8} {'busbw':>8} {'#wrong':>7}  algorithm", flush=True)
@@ -87,6 +87,13 @@ async def sweep(comm: Any, args: argparse.Namespace, algorithm: str | None) -> l
     if comm.rank == 0 and rows:
         print(f"# Avg bus bandwidth    : {sum(r['busbw'] for r in rows) / len(rows):.4f}", flush=True)
     return rows
+
+
+def _registered(comm: Any, args: argparse.Namespace) -> str:
+    """The header's word for -R: where ranks cannot read each other's memory it changes nothing."""
+    if not args.registered:
+        return ""
+    return "  registered" if comm.stats()["single_copy"] else "  registered (no effect: no single copy here)"
 
 
 def _ops_of(algorithm: str) -> frozenset[str]:

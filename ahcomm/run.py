@@ -39,6 +39,7 @@ import sys
 from collections.abc import Sequence
 
 from ._binding import MODES, allowed_cores, bind_mode, checked_mode, plan, rank_cores
+from ._buffers import reclaim_stale
 from ._errors import ConfigError
 from ._nodes import agree
 from ._rootinfo import free_port
@@ -154,6 +155,7 @@ async def launch(nprocs: int, program: Sequence[str], *, tag_output: bool | None
     watchdog = Watchdog(grace)
     status = 0
     restarts = [0] * nprocs
+    started: set[int] = set()  # every rank process's pid, restarts included
 
     async def start(local: int) -> int | None:
         """Start (or restart) the rank at ``local``; an exit status when it cannot be started."""
@@ -173,6 +175,7 @@ async def launch(nprocs: int, program: Sequence[str], *, tag_output: bool | None
             procs[local] = proc
         else:
             procs.append(proc)
+        started.add(proc.pid)
         watchdog.watch(proc.pid)  # its process group (start_new_session)
         if tag:
             assert proc.stdout is not None and proc.stderr is not None
@@ -249,6 +252,9 @@ async def launch(nprocs: int, program: Sequence[str], *, tag_output: bool | None
         watchdog.close()
         if pumps:
             await asyncio.gather(*pumps, return_exceptions=True)
+        # a rank killed outright leaves its shared memory (ahcomm.alloc's segments live by name):
+        # ours go now, not at the host's next init
+        reclaim_stale(pids=started)
     return status
 
 

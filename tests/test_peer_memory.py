@@ -10,6 +10,7 @@ from __future__ import annotations
 import gc
 import os
 import re
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -52,11 +53,50 @@ def test_a_subarray_dtype_adds_its_dimensions_as_numpy_does() -> None:
     assert a.shape == (4, 3) and a.dtype == np.float32 and a.shape == np.empty(4, np.dtype((np.float32, 3))).shape
 
 
-def test_alloc_refuses_what_it_cannot_share() -> None:
-    with pytest.raises(ValueError, match="shape"):
-        alloc((2, -1))
-    with pytest.raises(TypeError, match="Python objects"):
-        alloc(3, object)
+@pytest.mark.parametrize("shape", [(2, -1), 2.0, None, True, "10", (3, 1.5)])
+def test_alloc_refuses_a_shape_that_is_not_whole_numbers(shape: Any) -> None:
+    with pytest.raises(ahcomm.InvalidArgument, match="shape must be a non-negative integer"):
+        alloc(shape)
+
+
+@pytest.mark.parametrize("dtype,why", [(object, "Python objects"), (None, "pass one"), ("V0", "no size"),
+                                       ("not-a-type", "not a dtype")])
+def test_alloc_refuses_a_dtype_it_cannot_share(dtype: Any, why: str) -> None:
+    with pytest.raises(ahcomm.InvalidDtype, match=why):
+        alloc(3, dtype)
+
+
+def test_alloc_beyond_the_hosts_memory_is_refused_before_any_page(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_peer_memory, "_available", lambda: 1 << 20)
+    with pytest.raises(ahcomm.ConfigError, match=r"alloc of 2.0 MiB: this host has 1.0 MiB of memory available"):
+        alloc(1 << 19)
+
+
+def test_alloc_without_a_descriptor_left_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
+    import errno
+
+    def no_fd(self: Any, nbytes: int) -> Any:
+        raise OSError(errno.EMFILE, "Too many open files")
+
+    monkeypatch.setattr(_peer_memory._Owner, "add", no_fd)
+    with pytest.raises(ahcomm.UsageError, match="no file descriptor left.*ulimit -n"):
+        alloc(16)
+
+
+def test_a_reader_keeps_a_bounded_number_of_mappings(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_peer_memory, "PEER_MAPS", 2)
+    arrays = [alloc(4096, np.uint8) for _ in range(4)]
+    for i, a in enumerate(arrays):
+        a[:] = i + 1
+    reader = PeerMemory(table_name())
+    try:
+        for _ in range(2):
+            for i, a in enumerate(arrays):
+                got = reader.view(a.ctypes.data, 4096)
+                assert got is not None and int(got[0]) == i + 1
+                assert len(reader._maps) <= 2
+    finally:
+        reader.close()
 
 
 def test_an_array_is_freed_when_nothing_refers_to_it() -> None:
@@ -355,3 +395,25 @@ async def test_a_sub_communicator_reads_mapped_buffers_through_its_parents_conne
 
     await run_inproc(4, body, transport="sdma")
     assert given, "the sub-communicator's links mapped nothing"
+
+
+@pytest.mark.multiprocess
+def test_the_launcher_removes_a_killed_ranks_segments() -> None:
+    """A rank killed outright cannot unlink its alloc segments (they live by name); ahcomm-run does."""
+    program = ("import asyncio, os, signal, numpy as np, ahcomm\n"
+               "async def main():\n"
+               "    comm = await ahcomm.init()\n"
+               "    x = ahcomm.alloc(1 << 18, np.float32)\n"
+               "    await comm.all_reduce(x, out=x, algorithm='mesh')\n"
+               "    print('PID', os.getpid(), flush=True)\n"
+               "    if comm.rank == 1:\n"
+               "        os.kill(os.getpid(), signal.SIGKILL)\n"
+               "    await comm.all_reduce(x, out=x, algorithm='mesh')\n"
+               "asyncio.run(main())\n")
+    proc = run_job(2, sys.executable, "-c", program, timeout=120, grace=5, env={
+        "AHCOMM_TRANSPORT": "sdma", "AHCOMM_EXEC_TIMEOUT": "20", "AHCOMM_BUFFSIZE": "1"})
+    out = proc.stdout + proc.stderr
+    pids = re.findall(r"\[(\d)\] PID (\d+)", out)
+    assert len(pids) == 2, out
+    left = [p.name for p in SHM.glob("ahcomm-*") if any(p.name.startswith(f"ahcomm-{pid}-") for _, pid in pids)]
+    assert not left, (left, out)
