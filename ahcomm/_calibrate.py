@@ -174,6 +174,28 @@ def local_rates() -> tuple[float, float, float]:
     return best_add / c.nbytes, best_copy / c.nbytes, asyncio.run(handoffs())
 
 
+STAGED_SLOT = 2 << 20  # bytes of the slot ``staged_reduce_rate`` rewrites before each piece (ring's pieces)
+
+
+def staged_reduce_rate(passes: int = 5) -> float:
+    """Seconds per byte reduced in place out of a slot just written, as a ring's receiver does
+    (``dst += slot``): a destination of ``probe_bytes`` from memory, reduced piece by piece with
+    a ``STAGED_SLOT`` slot rewritten before each piece; the best of ``passes`` (the adds alone)."""
+    dst = np.ones(probe_bytes() // 4, np.float32)
+    slot, fresh = np.ones(STAGED_SLOT // 4, np.float32), np.ones(STAGED_SLOT // 4, np.float32)
+    piece = slot.size
+    best = math.inf
+    for _ in range(passes):
+        spent = 0.0
+        for lo in range(0, dst.size - piece + 1, piece):
+            np.copyto(slot, fresh)  # the peer's put
+            t0 = time.perf_counter()
+            np.add(dst[lo:lo + piece], slot, out=dst[lo:lo + piece])
+            spent += time.perf_counter() - t0
+        best = min(best, spent)
+    return best / (dst.size // piece * piece * 4)
+
+
 SHARED_COPIERS = 8  # threads at most for the shared copy rate (each holds 64 MiB of arrays)
 
 
@@ -360,14 +382,17 @@ def calibrate() -> None:
     shared = copy * shared_copy_rate(copiers) / shared_copy_rate(1)  # the ratio of like measurements
     print(f"reduce: {1 / gamma / 1e9:.2f} GB/s, copy: {1 / copy / 1e9:.2f} GB/s "
           f"({1 / shared / 1e9:.2f} GB/s each with {copiers} copying at once), engine hand-off: {engine * 1e6:.0f} us")
+    gamma_staged = staged_reduce_rate()
+    print(f"reduce in place out of a slot just written: {1 / gamma_staged / 1e9:.2f} GB/s")
     copy_hot, gamma_hot = hot_rates(cores)
     cache = last_level_cache()
-    print(f"in cache ({cache >> 20} MiB last-level; calls whose data fits half of it with a core per rank, "
+    print(f"in cache ({cache >> 20} MiB last-level; calls whose data fits a third of it with a core per rank, "
           f"the share that fits of bigger ones): "
           f"copy {1 / copy_hot / 1e9:.2f} GB/s, reduce {1 / gamma_hot / 1e9:.2f} GB/s")
     picks = _cost.load().picks  # what `tune` measured stays: it is timings, not the model's numbers
     model = dataclasses.replace(_cost.CostModel(), gamma=gamma, copy=copy, engine=engine, copy_shared=shared,
-                                cores=cores, cache=cache, copy_hot=copy_hot, gamma_hot=gamma_hot, picks=picks)
+                                cores=cores, cache=cache, copy_hot=copy_hot, gamma_hot=gamma_hot,
+                                gamma_staged=gamma_staged, picks=picks)
     links, scales = dict(model.links), []
     task_cpu = call_cpu = cold = 0.0
     with tempfile.TemporaryDirectory() as tmp:

@@ -14,11 +14,12 @@ import pytest
 from ahcomm._config import last_level_cache
 from ahcomm.algorithms import REGISTRY, Call, Topology
 from ahcomm.algorithms._selection import Selector
-from ahcomm.algorithms.cost import FOOTPRINT, STAGED, CostModel
+from ahcomm.algorithms.cost import CACHE_USABLE, FOOTPRINT, STAGED, CostModel
 from ahcomm.sim import simulate
 
 MIB = 1 << 20
-HOT = CostModel(copy=1 / 12e9, gamma=1 / 11e9, copy_shared=1.3 / 12e9, cores=2, cache=32 * MIB,
+CACHE = 48 * MIB  # its usable third holds 2 ranks' 2 MiB calls (3 copies of the data each)
+HOT = CostModel(copy=1 / 12e9, gamma=1 / 11e9, copy_shared=1.3 / 12e9, cores=2, cache=CACHE,
                 copy_hot=1 / 36e9, gamma_hot=1 / 25e9, source="test")
 
 
@@ -35,8 +36,8 @@ def test_the_last_level_cache_is_read_from_sysfs(tmp_path: Path) -> None:
     assert last_level_cache(str(tmp_path / "missing")) == 0
 
 
-def test_a_call_is_hot_where_each_rank_has_a_core_and_the_data_fits_half_the_cache() -> None:
-    fits = 32 * MIB / 2 / (2 * FOOTPRINT)  # the largest call of 2 ranks that is in cache
+def test_a_call_is_hot_where_each_rank_has_a_core_and_the_data_fits_the_usable_cache() -> None:
+    fits = CACHE * CACHE_USABLE / (2 * FOOTPRINT)  # the largest call of 2 ranks that is in cache
     assert HOT.hot(2, fits) and not HOT.hot(2, fits * 1.01)
     assert not HOT.hot(3, 64 << 10)  # 3 ranks on 2 cores: they evict each other's caches
     assert not dataclasses.replace(HOT, cache=0).hot(2, 1024)  # cache size unknown
@@ -48,10 +49,11 @@ def test_a_call_is_hot_where_each_rank_has_a_core_and_the_data_fits_half_the_cac
 
 
 def test_a_call_beyond_the_cache_runs_in_it_for_the_share_the_cache_holds() -> None:
-    """Past half the cache the share in cache falls as half the cache over the ranks' data: a call
-    twice the largest hot one runs half at the in-cache rates, per byte (the binary rule priced it
-    at memory's rates: 2-rank 64 MiB calls on a host reporting 480 MiB, 1.18-1.34x measured)."""
-    fits = 32 * MIB / 2 / (2 * FOOTPRINT)
+    """Past the usable cache (``CACHE_USABLE`` of it) the share in cache falls as that part over
+    the ranks' data: a call twice the largest hot one runs half at the in-cache rates, per byte
+    (the binary rule priced it at memory's rates: 2-rank 64 MiB calls on a host reporting 480
+    MiB, 1.18-1.34x measured)."""
+    fits = CACHE * CACHE_USABLE / (2 * FOOTPRINT)
     assert HOT.cache_share(2, fits) == 1.0 and HOT.cache_share(2, 2 * fits) == 0.5
     assert HOT.cache_share(2, 64 * fits) == 1 / 64 and HOT.cache_share(3, 1024) == 0.0
     half = HOT.for_call(2, 2 * fits)
@@ -87,7 +89,7 @@ def test_the_selector_prices_a_hot_call_at_the_in_cache_rates() -> None:
     assert star.cost(call, _topo(2), HOT) < star.cost(call, _topo(2), cold)  # type: ignore[operator]
     assert Selector(REGISTRY, "", HOT).choose(call, _topo(2)).name == "star"
     big = Call(op="reduce", seq=0, dtype=np.dtype(np.float32), count=(64 * MIB) // 4, root=0)
-    # 64 MiB: 1/24 of 2 ranks' data in a 32 MiB cache's half, priced nearly as from memory
+    # 64 MiB: 1/24 of 2 ranks' data in a 48 MiB cache's usable third, priced nearly as from memory
     assert 0.95 * star.cost(big, _topo(2), cold) < star.cost(big, _topo(2), HOT) < star.cost(big, _topo(2), cold)  # type: ignore[operator]
 
 

@@ -436,3 +436,5 @@ def test_calibrate_saves_the_cores_the_job_may_use(tmp_path: Path) -> None:
     assert {"task_cpu", "launch"} <= set(json.loads(path.read_text())), path.read_text()
     # a notify after a 2 MiB copy, against one after as long a spin (``cold_notify``)
     assert 0 <= saved.cold_notify < 1e-3 and "cold_notify" in json.loads(path.read_text())
+    # a reduction in place out of a slot just written (``gamma_staged``)
+    assert 0 < saved.gamma_staged < 1e-8 and "reduce in place out of a slot" in done.stdout, done.stdout

@@ -78,12 +78,29 @@ def test_a_call_s_own_cpu_comes_before_its_first_task() -> None:
 
 
 def test_the_cpu_costs_travel_with_the_model() -> None:
-    model = dataclasses.replace(HOST, task_cpu=31e-6, launch=44e-6, cold_notify=75e-6)
+    model = dataclasses.replace(HOST, task_cpu=31e-6, launch=44e-6, cold_notify=75e-6, gamma_staged=0.09e-9)
     back = CostModel.from_dict(json.loads(json.dumps(model.to_dict())))
-    assert (back.task_cpu, back.launch, back.cold_notify) == (31e-6, 44e-6, 75e-6)
-    old = {k: v for k, v in model.to_dict().items() if k not in ("task_cpu", "launch", "cold_notify")}
+    assert (back.task_cpu, back.launch, back.cold_notify, back.gamma_staged) == (31e-6, 44e-6, 75e-6, 0.09e-9)
+    old = {k: v for k, v in model.to_dict().items() if k not in ("task_cpu", "launch", "cold_notify", "gamma_staged")}
     assert (CostModel.from_dict(old).task_cpu, CostModel.from_dict(old).launch,
-            CostModel.from_dict(old).cold_notify) == (0.0, 0.0, 0.0)
+            CostModel.from_dict(old).cold_notify, CostModel.from_dict(old).gamma_staged) == (0.0, 0.0, 0.0, 0.0)
+
+
+def test_a_reduction_in_place_out_of_a_slot_costs_gamma_staged() -> None:
+    """A ring all_reduce reduces each piece in place out of the slot its peer's put just wrote
+    (``dst += slot``): ``gamma_staged`` a byte where measured and below ``gamma`` (4 ranks on 2
+    cores: the 4-rank all_reduce's excess, docs/sim.md). An all_gather reduces nothing; a
+    ``gamma_staged`` above ``gamma`` changes nothing."""
+    base = dataclasses.replace(HOST, gamma=0.2e-9, task_cpu=HOST.task / 2)
+
+    def us(op: str, model: CostModel, n: int = 4) -> float:
+        return simulate(op, n, n, 16 << 20, "ring", model=model, cpu=True).time_us
+
+    staged = dataclasses.replace(base, gamma_staged=0.1e-9)
+    assert us("all_reduce", staged) < 0.95 * us("all_reduce", base)
+    assert us("all_reduce", staged, 2) < us("all_reduce", base, 2)
+    assert us("all_gather", staged) == us("all_gather", base)
+    assert us("all_reduce", dataclasses.replace(base, gamma_staged=0.4e-9)) == us("all_reduce", base)
 
 
 def test_a_notify_after_a_cache_s_worth_of_copies_costs_more_where_it_wakes_a_sleeping_peer() -> None:

@@ -34,11 +34,11 @@ steps, and CPU work takes ``slowdown = active / cores`` times longer. Where core
 over, a rank that spreads its memory work over several copy engines (``streams``) gets up
 to that many of them (``slowdown`` < 1).
 
-In cache: a call whose data fits half the host's last-level cache, where every rank has a
-core, is priced at the in-cache rates ``copy_hot`` and ``gamma_hot`` (``CostModel.hot``;
+In cache: a call whose data fits a third of the host's last-level cache (``CACHE_USABLE``),
+where every rank has a core, is priced at the in-cache rates ``copy_hot`` and ``gamma_hot`` (``CostModel.hot``;
 ``Algorithm.cost`` applies ``for_call``), which only a calibration provides; a staged copy
 there costs no more than out of cache (``in_cache``). A bigger call runs the share of its
-bytes that half the cache holds at those rates and the rest at memory's (``cache_share``).
+bytes that that part holds at those rates and the rest at memory's (``cache_share``).
 
 The simulator (``ahcomm-sim --cpu``) also charges CPU where ranks share cores: of a notify's
 ``task``, ``task_cpu`` is CPU work (the rest makes it land later), and ``launch`` is CPU each
@@ -46,7 +46,10 @@ rank spends per call beside its notifies and copies (checks, the pick, setting t
 ``calibrate`` measures both from the CPU time of its small cases. Where every rank has a core,
 a rank's first notify after it moved ``COLD_BYTES`` through its cache costs ``cold_notify``
 more CPU (pro rata below that) where it wakes a sleeping peer: the wake-up's system call and
-the event loop's next steps run from a cold cache (results/2026-11-27-cold-notify.md). The selector prices a notify's
+the event loop's next steps run from a cold cache (results/2026-11-27-cold-notify.md). A
+reduction in place out of a staging slot a peer just wrote (a ring's ``dst += slot``) costs
+``gamma_staged`` a byte there, where measured: one operand is in the cache and the output's lines
+are read anyway (10.4-10.6 GB/s on the Intel VM against ``gamma``'s 4.9-5.4). The selector prices a notify's
 CPU share as CPU (longer where ranks share cores) and the rest as latency, and leaves ``launch``
 out (every candidate pays it alike): on the Intel VM's tune sweep (48 points, np=2 and 4,
 2-64 MiB) the calibrated pick was within 10% of the fastest at 39 points either way, its worst
@@ -81,6 +84,12 @@ from .call import Call, Topology
 MODEL_VERSION = 2  # calibrations written with another meaning of the numbers are ignored
 HALF_BYTES = 32 << 20  # a CCL half at the default AHCOMM_BUFFSIZE: how the executor slices big calls
 FOOTPRINT = 3  # bytes of data a rank touches per byte of its call (input, output, a staging copy)
+# Of the last-level cache, the share a call's data can count on (``cache_share``). The Intel VM
+# reports 480 MiB, shared with other guests: 3 x 32 MiB of arrays copied at the in-cache rate there,
+# 3 x 128 MiB at memory's. With half, the simulator put the 2-rank 64 MiB calls at 0.76-0.88 of
+# their measured time in five runs; with a third at 0.88-1.13 (docs/sim.md); the selector's picks
+# on the 48-point tune sweep did not change.
+CACHE_USABLE = 1 / 3
 # A copy between a user buffer and a mailbox slot (``Work.staged``), as a share of a copy from
 # memory to memory: the slot stays in the cache, so half of the copy's traffic goes through
 # memory. Measured on 2 ranks (results/2026-11-26-staged-copies.md): oneshot's all_gather of 16
@@ -132,6 +141,8 @@ class CostModel:
     task_cpu: float = 0.0  # of ``task``, the seconds of CPU (the rest is latency); 0: all of it
     launch: float = 0.0  # CPU seconds a rank spends per call beside its notifies and copies
     cold_notify: float = 0.0  # CPU seconds more for a notify after ``COLD_BYTES`` that wakes a peer (simulator)
+    gamma_staged: float = 0.0  # seconds per byte reduced in place out of a slot a peer just wrote (simulator;
+    # 0: as ``gamma``)
     picks: tuple[MeasuredPick, ...] = ()  # fastest algorithms measured here (``ahcomm-bench tune``)
 
     def measured(self, call: Call, topo: Topology) -> MeasuredPick | None:
@@ -149,8 +160,8 @@ class CostModel:
         ``ranks_here`` of its ranks share a host and the call moves ``whole`` bytes.
 
         1 where every rank has a core of its own and the ranks' data (``FOOTPRINT`` times the
-        call's bytes each: input, output, staging) fits half the last-level cache; beyond that,
-        half the cache over that footprint (the share of data passed over again and again that
+        call's bytes each: input, output, staging) fits ``CACHE_USABLE`` of the last-level cache;
+        beyond that, that part over the footprint (the share of data passed over again and again that
         stays in the cache: on the Intel VM, whose reported 480 MiB hold part of a 2-rank 64 MiB
         call, a binary rule priced those calls at memory's rates, 1.18-1.34x their measured time;
         results/2026-11-27-cache-share.md). 0 where ranks share cores (they evict each other's
@@ -159,8 +170,8 @@ class CostModel:
         the cache size, the in-cache rates or the cores are unknown."""
         if not (self.cache > 0 and (self.copy_hot > 0 or self.gamma_hot > 0) and 0 < ranks_here <= self.cores):
             return 0.0
-        footprint = ranks_here * FOOTPRINT * whole
-        return 1.0 if footprint <= self.cache / 2 else self.cache / 2 / footprint
+        footprint, usable = ranks_here * FOOTPRINT * whole, self.cache * CACHE_USABLE
+        return 1.0 if footprint <= usable else usable / footprint
 
     def hot(self, ranks_here: int, whole: float) -> bool:
         """Whether all of a call's data stays in cache (``cache_share`` 1)."""
@@ -276,7 +287,8 @@ class CostModel:
                 "gamma": self.gamma, "copy": self.copy, "task": self.task, "engine": self.engine, "cores": self.cores,
                 "copy_shared": self.copy_shared, "cache": self.cache, "copy_hot": self.copy_hot,
                 "gamma_hot": self.gamma_hot, "staged": self.staged, "task_cpu": self.task_cpu,
-                "launch": self.launch, "cold_notify": self.cold_notify, "source": self.source,
+                "launch": self.launch, "cold_notify": self.cold_notify, "gamma_staged": self.gamma_staged,
+                "source": self.source,
                 "picks": [p.to_dict() for p in self.picks]}
 
     @classmethod
@@ -299,7 +311,8 @@ class CostModel:
                    cache=int(data.get("cache", 0) or 0), copy_hot=float(data.get("copy_hot", 0.0)),
                    gamma_hot=float(data.get("gamma_hot", 0.0)), staged=float(data.get("staged", STAGED)),
                    task_cpu=float(data.get("task_cpu", 0.0)), launch=float(data.get("launch", 0.0)),
-                   cold_notify=float(data.get("cold_notify", 0.0)), picks=picks)
+                   cold_notify=float(data.get("cold_notify", 0.0)),
+                   gamma_staged=float(data.get("gamma_staged", 0.0)), picks=picks)
 
 
 def cache_path() -> Path:
