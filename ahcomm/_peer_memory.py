@@ -45,7 +45,8 @@ from ._errors import AhcommError, ConfigError, InvalidArgument, InvalidDtype, Us
 SLOTS = 255  # segments one process may have at once
 _ROW = 3  # id, address, bytes
 TABLE_BYTES = 8 * (1 + SLOTS * _ROW)
-PEER_MAPS = 32  # a reader's mappings of one peer's segments at most (each holds a file descriptor)
+PEER_MAPS = 64  # a reader's mappings of one peer's segments at most (each holds a file descriptor;
+# cycling through more maps the oldest again at each read)
 _RETRIES = 1000  # reads of a table that keeps changing before a reader gives up (and reads through the kernel)
 
 
@@ -200,14 +201,15 @@ def alloc(shape: int | tuple[int, ...], dtype: Any = np.float32) -> np.ndarray:
     are reused (a model's activations, a benchmark's, a collective's ``out=``): each call makes a
     shared-memory segment (a /dev/shm file whose pages are reserved and faulted in at once: 3-4 ms
     per 8 MiB on the 2-core VM, against about 1.5 for ``np.zeros`` and a fill), holding one file
-    descriptor here and one in each peer that reads it (a peer keeps at most ``PEER_MAPS``), at
+    descriptor here and one in each peer that reads it (a peer keeps at most ``PEER_MAPS``: cycling
+    through more remaps each one at its next read), at
     most ``SLOTS`` at once per process. Freed when nothing refers to it."""
     dims = _dims(shape)
     if dtype is None:
         raise InvalidDtype("ahcomm.alloc: dtype is None; pass one (the default is float32)")
     try:
         dt = np.dtype(dtype)
-    except TypeError as exc:
+    except (TypeError, ValueError, SyntaxError) as exc:
         raise InvalidDtype(f"ahcomm.alloc: {dtype!r} is not a dtype ({exc})") from None
     if dt.hasobject:
         raise InvalidDtype(f"ahcomm.alloc: dtype {dt} holds Python objects, which cannot be shared")
@@ -267,12 +269,12 @@ class PeerMemory:
                 if base <= address and address + nbytes <= base + size:
                     region = self._maps.pop(ident, None)
                     if region is None:
-                        while len(self._maps) >= PEER_MAPS:  # the least recently read goes (a view
-                            self._maps.pop(next(iter(self._maps))).close()  # in use keeps it mapped)
                         try:
                             region = SharedRegion.attach(f"{self.name}-{ident}", size, readonly=True)
                         except (OSError, ValueError, AhcommError):
                             return None  # freed meanwhile, or no descriptor left: read through the kernel
+                        while len(self._maps) >= PEER_MAPS:  # the least recently read goes (a view
+                            self._maps.pop(next(iter(self._maps))).close()  # in use keeps it mapped)
                     self._maps[ident] = region  # last: the most recently read
                     return region.array[address - base:address - base + nbytes]
         return None

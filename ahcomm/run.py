@@ -253,7 +253,9 @@ async def launch(nprocs: int, program: Sequence[str], *, tag_output: bool | None
         if pumps:
             await asyncio.gather(*pumps, return_exceptions=True)
         # a rank killed outright leaves its shared memory (ahcomm.alloc's segments live by name):
-        # ours go now, not at the host's next init
+        # ours go now, not at the host's next init (once reaped: a zombie still counts as alive)
+        await asyncio.gather(*(asyncio.wait_for(p.wait(), 2.0) for p in procs if p.returncode is None),
+                             return_exceptions=True)
         reclaim_stale(pids=started)
     return status
 

@@ -8,6 +8,7 @@ import dataclasses
 import json
 import math
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -196,3 +197,27 @@ def test_a_calibration_that_cannot_be_read_is_named_not_ignored(
     with caplog.at_level(logging.WARNING, logger="ahcomm.cost"):
         assert cost.load().source == "defaults"
     assert str(bad) in caplog.text and "cannot be read" in caplog.text and "fast" in caplog.text
+
+
+def test_only_an_in_place_reduction_with_an_operand_in_the_ccl_buffers_is_staged(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """What ``gamma_staged`` prices: the output is one of the operands, and an operand lies in the
+    rank's CCL buffers (a slot). In place over user memory, or out of place out of a slot: ``gamma``."""
+    from ahcomm import sim
+
+    model = dataclasses.replace(HOST, gamma=0.2e-9, gamma_staged=0.1e-9)
+    world = sim.World(2, 2, model, check=False, contention=True, cpu=True)
+    spans: list[float] = []
+    monkeypatch.setattr(world.net, "memory", lambda rank, nbytes, span: spans.append(span / nbytes) or 0.0)
+
+    class Stream:
+        memory: Any = None
+
+    stream = Stream()
+    sim._simulate_memory(stream, world, 0)  # type: ignore[arg-type]
+    slot = world.buffers[0][0][:4096].view(np.float32)
+    user, other = np.zeros(1024, np.float32), np.zeros(1024, np.float32)
+    stream.memory(np.add, user, slot, out=user)  # a ring's dst += slot
+    stream.memory(np.add, user, other, out=user)  # in place over user memory
+    stream.memory(np.add, other, slot, out=user)  # out of place, out of a slot
+    assert spans == [0.1e-9, 0.2e-9, 0.2e-9]

@@ -88,7 +88,7 @@ FOOTPRINT = 3  # bytes of data a rank touches per byte of its call (input, outpu
 # reports 480 MiB, shared with other guests: 3 x 32 MiB of arrays copied at the in-cache rate there,
 # 3 x 128 MiB at memory's. With half, the simulator put the 2-rank 64 MiB calls at 0.76-0.88 of
 # their measured time in five runs; with a third at 0.88-1.13 (docs/sim.md); the selector's picks
-# on the 48-point tune sweep did not change.
+# on the 48-point tune sweep did not change (4 of 180 points between its sizes did, at 2 ranks).
 CACHE_USABLE = 1 / 3
 # A copy between a user buffer and a mailbox slot (``Work.staged``), as a share of a copy from
 # memory to memory: the slot stays in the cache, so half of the copy's traffic goes through

@@ -16,6 +16,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
+import threading
 
 import numpy as np
 
@@ -69,11 +70,24 @@ PR_SET_PTRACER = 0x59616D61
 PR_SET_PTRACER_ANY = ctypes.c_ulong(-1).value
 
 
+_allowed = 0  # communicators of this process that lifted Yama's scope (``allow_peers`` / ``release_peers``)
+_allowed_lock = threading.Lock()
+
+
+def _set_ptracer(value: int) -> int:
+    prctl = getattr(_libc, "prctl", None)
+    if prctl is None:
+        return -1
+    return int(prctl(ctypes.c_int(PR_SET_PTRACER), ctypes.c_ulong(value), ctypes.c_ulong(0), ctypes.c_ulong(0),
+                     ctypes.c_ulong(0)))
+
+
 def allow_peers(scope_file: str = YAMA_SCOPE) -> str:
     """Let this user's other processes read this one's memory where Yama asks for it (see the
-    module's text). Returns what it found: "open" (no Yama, or scope 0: nothing to do),
-    "allowed" (scope 1, lifted for this process), or "refused: ..." (scope 2 or 3, which no
-    process can lift for itself, or prctl failed)."""
+    module's text), until as many ``release_peers`` as "allowed" answers. Returns what it found:
+    "open" (no Yama, or scope 0: nothing to do), "allowed" (scope 1, lifted for this process),
+    or "refused: ..." (scope 2 or 3, which no process can lift for itself, or prctl failed)."""
+    global _allowed
     try:
         with open(scope_file) as f:
             scope = f.read().strip()
@@ -83,11 +97,22 @@ def allow_peers(scope_file: str = YAMA_SCOPE) -> str:
         return "open"
     if scope != "1":
         return f"refused: Yama ptrace_scope is {scope}"
-    prctl = getattr(_libc, "prctl", None)
-    if prctl is None:
+    if getattr(_libc, "prctl", None) is None:
         return "refused: no prctl"
-    if prctl(ctypes.c_int(PR_SET_PTRACER), ctypes.c_ulong(PR_SET_PTRACER_ANY), ctypes.c_ulong(0),
-             ctypes.c_ulong(0), ctypes.c_ulong(0)) != 0:
-        return f"refused: prctl(PR_SET_PTRACER) failed: {os.strerror(ctypes.get_errno())}"
+    with _allowed_lock:
+        if _set_ptracer(PR_SET_PTRACER_ANY) != 0:
+            return f"refused: prctl(PR_SET_PTRACER) failed: {os.strerror(ctypes.get_errno())}"
+        _allowed += 1
     return "allowed"
 
+
+def release_peers() -> None:
+    """Undo one "allowed" ``allow_peers`` (a communicator closed, failed to start, or agreed on no
+    single copy): the last one puts Yama's default back (only descendants may read us)."""
+    global _allowed
+    with _allowed_lock:
+        if _allowed == 0:
+            return
+        _allowed -= 1
+        if _allowed == 0:
+            _set_ptracer(0)
