@@ -7,10 +7,12 @@ mesh reading mapped buffers, buffers from alloc on some ranks only, and real pro
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import re
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +31,16 @@ from support.inproc import links_of, run_inproc
 
 HERE = Path(__file__).parent
 SHM = Path("/dev/shm")
+
+
+@contextlib.contextmanager
+def _reader() -> Iterator[PeerMemory]:
+    """A reader of this process's own alloc memory, as a peer would map it."""
+    reader = PeerMemory(table_name())
+    try:
+        yield reader
+    finally:
+        reader.close()
 
 
 def _segment(array: np.ndarray) -> Path:
@@ -88,15 +100,12 @@ def test_a_reader_keeps_a_bounded_number_of_mappings(monkeypatch: pytest.MonkeyP
     arrays = [alloc(4096, np.uint8) for _ in range(4)]
     for i, a in enumerate(arrays):
         a[:] = i + 1
-    reader = PeerMemory(table_name())
-    try:
+    with _reader() as reader:
         for _ in range(2):
             for i, a in enumerate(arrays):
                 got = reader.view(a.ctypes.data, 4096)
                 assert got is not None and int(got[0]) == i + 1
                 assert len(reader._maps) <= 2
-    finally:
-        reader.close()
 
 
 def test_an_array_is_freed_when_nothing_refers_to_it() -> None:
@@ -112,8 +121,7 @@ def test_an_array_is_freed_when_nothing_refers_to_it() -> None:
 
 
 def test_a_reader_maps_the_owners_memory() -> None:
-    reader = PeerMemory(table_name())
-    try:
+    with _reader() as reader:
         a = alloc(1000, np.int64)
         a[:] = np.arange(1000)
         got = reader.view(a.ctypes.data + 80, 160)
@@ -123,13 +131,10 @@ def test_a_reader_maps_the_owners_memory() -> None:
         assert reader.view(a.ctypes.data + 8 * 990, 8 * 11) is None  # runs past the end
         private = np.ones(1000)
         assert reader.view(private.ctypes.data, 8) is None
-    finally:
-        reader.close()
 
 
 def test_a_reader_never_takes_freed_memory_for_new_memory_at_its_address() -> None:
-    reader = PeerMemory(table_name())
-    try:
+    with _reader() as reader:
         a = alloc(1 << 16, np.uint8)
         a[:] = 1
         old = a.ctypes.data
@@ -142,8 +147,6 @@ def test_a_reader_never_takes_freed_memory_for_new_memory_at_its_address() -> No
         assert got is not None and int(got[0]) == 2
         if b.ctypes.data != old:
             assert reader.view(old, 1 << 16) is None
-    finally:
-        reader.close()
 
 
 def _list(row: tuple[int, int, int]) -> None:
@@ -214,11 +217,8 @@ def test_a_forked_child_leaves_its_parents_segments_alone() -> None:
             os._exit(0)
     os.waitpid(pid, 0)
     assert path.exists()
-    reader = PeerMemory(table_name())
-    try:
+    with _reader() as reader:
         assert reader.view(a.ctypes.data, 4096) is not None
-    finally:
-        reader.close()
 
 
 def test_a_reader_gives_up_on_a_table_that_keeps_changing() -> None:
@@ -232,11 +232,8 @@ def test_a_reader_gives_up_on_a_table_that_keeps_changing() -> None:
     finally:
         rows[0] += 1
         reader.close()
-    reader = PeerMemory(table_name())
-    try:
+    with _reader() as reader:
         assert reader.view(a.ctypes.data, 64) is not None
-    finally:
-        reader.close()
 
 
 def test_a_peer_without_alloc_memory_is_read_through_the_kernel() -> None:
