@@ -171,16 +171,60 @@ def table_name() -> str:
     return _owner().name
 
 
+def _cgroup_room(root: str = "/sys/fs/cgroup", cgroup_file: str = "/proc/self/cgroup") -> int | None:
+    """Bytes this process's memory cgroup may still take (its limit less its usage), where it has
+    a limit: v2 (``memory.max``, ``memory.current``) or v1 (``memory.limit_in_bytes``,
+    ``memory.usage_in_bytes``). A container's shared-memory pages count against it."""
+    candidates: list[tuple[str, str]] = []
+    try:
+        with open(cgroup_file) as f:
+            for line in f:
+                parts = line.strip().split(":", 2)
+                if len(parts) != 3:
+                    continue
+                path = parts[2].lstrip("/")
+                if parts[0] == "0" and parts[1] == "":
+                    base = os.path.join(root, path)
+                    candidates.append((os.path.join(base, "memory.max"), os.path.join(base, "memory.current")))
+                elif "memory" in parts[1].split(","):
+                    base = os.path.join(root, "memory", path)
+                    candidates.append((os.path.join(base, "memory.limit_in_bytes"),
+                                       os.path.join(base, "memory.usage_in_bytes")))
+    except OSError:
+        pass
+    # in a container the cgroup's own directory is usually the mount's root
+    candidates += [(os.path.join(root, "memory.max"), os.path.join(root, "memory.current")),
+                   (os.path.join(root, "memory", "memory.limit_in_bytes"),
+                    os.path.join(root, "memory", "memory.usage_in_bytes"))]
+    for limit_file, usage_file in candidates:
+        try:
+            with open(limit_file) as f:
+                limit = f.read().strip()
+            with open(usage_file) as f:
+                usage = int(f.read().strip())
+        except (OSError, ValueError):
+            continue
+        if limit == "max" or not limit.isdigit() or int(limit) >= 1 << 60:  # v1 says "no limit" with a huge number
+            return None
+        return max(0, int(limit) - usage)
+    return None
+
+
 def _available() -> int | None:
-    """Bytes of memory the kernel could still give (``MemAvailable``), where it says."""
+    """Bytes of memory the kernel could still give this process: the host's ``MemAvailable``, or
+    less where its cgroup has a limit (a container's)."""
+    host = None
     try:
         with open("/proc/meminfo") as f:
             for line in f:
                 if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
+                    host = int(line.split()[1]) * 1024
+                    break
     except (OSError, ValueError, IndexError):
         pass
-    return None
+    room = _cgroup_room()
+    known = [x for x in (host, room) if x is not None]
+    return min(known) if known else None
 
 
 def _dims(shape: Any) -> tuple[int, ...]:
@@ -221,8 +265,9 @@ def alloc(shape: int | tuple[int, ...], dtype: Any = np.float32) -> np.ndarray:
     nbytes = math.prod(dims) * dt.itemsize
     free = _available()
     if free is not None and nbytes > free:
-        raise ConfigError(f"ahcomm.alloc of {nbytes / MiB:.1f} MiB: this host has {free / MiB:.1f} MiB of memory "
-                          "available (its pages are reserved at once)")
+        raise ConfigError(f"ahcomm.alloc of {nbytes / MiB:.1f} MiB: only {free / MiB:.1f} MiB of memory is "
+                          "available (the host's, or what its container's limit leaves; the pages are reserved "
+                          "at once)")
     owner = _owner()
     try:
         ident, mapping = owner.add(nbytes)

@@ -80,7 +80,7 @@ def test_alloc_refuses_a_dtype_it_cannot_share(dtype: Any, why: str) -> None:
 
 def test_alloc_beyond_the_hosts_memory_is_refused_before_any_page(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(_peer_memory, "_available", lambda: 1 << 20)
-    with pytest.raises(ahcomm.ConfigError, match=r"alloc of 2.0 MiB: this host has 1.0 MiB of memory available"):
+    with pytest.raises(ahcomm.ConfigError, match=r"alloc of 2.0 MiB: only 1.0 MiB of memory is available"):
         alloc(1 << 19)
 
 
@@ -414,3 +414,30 @@ def test_the_launcher_removes_a_killed_ranks_segments() -> None:
     assert len(pids) == 2, out
     left = [p.name for p in SHM.glob("ahcomm-*") if any(p.name.startswith(f"ahcomm-{pid}-") for _, pid in pids)]
     assert not left, (left, out)
+
+
+def _tree(tmp_path: Path, files: dict[str, str], cgroup: str) -> tuple[str, str]:
+    for name, text in files.items():
+        path = tmp_path / "cg" / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    (tmp_path / "self").write_text(cgroup)
+    return str(tmp_path / "cg"), str(tmp_path / "self")
+
+
+@pytest.mark.parametrize("files,cgroup,room", [
+    ({"job/memory.max": "1073741824\n", "job/memory.current": "268435456\n"}, "0::/job\n", 768 << 20),  # v2
+    ({"job/memory.max": "max\n", "job/memory.current": "1\n"}, "0::/job\n", None),  # v2 without a limit
+    ({"memory/job/memory.limit_in_bytes": "536870912\n", "memory/job/memory.usage_in_bytes": "0\n"},
+     "4:memory:/job\n", 512 << 20),  # v1
+    ({"memory/memory.limit_in_bytes": "9223372036854771712\n", "memory/memory.usage_in_bytes": "5\n"},
+     "4:memory:/elsewhere\n", None),  # v1 at the mount's root (a container), no limit
+    ({"memory.max": "2147483648\n", "memory.current": "3221225472\n"}, "0::/\n", 0),  # over: none left
+    ({}, "", None),  # no cgroup files at all
+])
+def test_a_containers_memory_limit_bounds_what_alloc_takes(files: dict[str, str], cgroup: str, room: int | None,
+                                                          tmp_path: Path) -> None:
+    """Shared-memory pages count against a container's memory cgroup: alloc refuses beyond it, not
+    only beyond the host's MemAvailable."""
+    root, self_file = _tree(tmp_path, files, cgroup)
+    assert _peer_memory._cgroup_room(root, self_file) == room
