@@ -115,7 +115,7 @@ async def create(config: Config | None = None, *, rank: int | None = None, world
         raise
     channel: Channel | None = None
     mbox: HostMailbox | None = None
-    ptrace_opened = False  # this communicator lifted Yama's scope (transports._cma.allow_peers)
+    grant = _cma.Grant("not asked")  # Yama's scope, lifted for this communicator until it closes
     links: dict[int, Link] = {}
     progress = Progress(rank, size)
     cost_model = load_cost_model()
@@ -133,9 +133,8 @@ async def create(config: Config | None = None, *, rank: int | None = None, world
                 await _abandon(rank, size, port, cfg, creds, store, host, exc)
                 raise
             if shared and cfg.single_copy and (cfg.local_world_size or size) > 1:  # before peers probe us:
-                said = _cma.allow_peers()  # Yama's scope 1 would refuse them (undone at close)
-                ptrace_opened = said == "allowed"
-                log.debug("rank %d: single-copy reads by peers: %s", rank, said)
+                grant = _cma.allow_peers()  # Yama's scope 1 would refuse them
+                log.debug("rank %d: single-copy reads by peers: %s", rank, grant.said)
             info = {
                 "rank": rank, "size": size, "host": host, "endpoints": channel.endpoints,
                 "shm": [buffers.ccl_in.name, buffers.ccl_out.name] if shared else None,
@@ -174,21 +173,13 @@ async def create(config: Config | None = None, *, rank: int | None = None, world
         if channel is not None:
             channel.close()
         buffers.close()
-        if ptrace_opened:
-            _cma.release_peers()
+        grant.release()
         raise
     kinds = tuple("self" if p == rank else links[p].kind for p in range(size))
     mailbox = mbox.mailbox if mbox is not None else None
     topo = Topology(rank=rank, size=size, hosts=hosts, link_kinds=kinds,
                     all_mapped=all(link.mapped for link in links.values()),
                     mailbox=mailbox.capacity if mailbox is not None else 0)
-
-    opened = [ptrace_opened]  # Yama's scope lifted for this communicator, until it closes
-
-    def release_ptrace() -> None:
-        if opened[0]:
-            opened[0] = False
-            _cma.release_peers()
 
     async def on_close() -> None:
         box = _suspend.host_mailbox(comm)  # init's, or the one a resume made (none while suspended)
@@ -197,7 +188,7 @@ async def create(config: Config | None = None, *, rank: int | None = None, world
         if channel is not None:
             channel.close()
         buffers.close()
-        release_ptrace()
+        grant.release()
 
     comm = Comm(rank=rank, size=size, links=links, buffers=buffers, topo=topo, progress=progress,
                 selector=Selector(REGISTRY, cfg.algo, cost_model), exec_timeout=cfg.exec_timeout,
@@ -210,7 +201,7 @@ async def create(config: Config | None = None, *, rank: int | None = None, world
         single, every_rank_traces = await _agree(comm, single_copy, tracing)
         comm._set_topology(dataclasses.replace(comm.topology, single_copy=single))
         if not single:  # no rank reads another's memory in this job
-            release_ptrace()
+            grant.release()
         if tracing and not every_rank_traces:
             logging.getLogger("ahcomm.trace").warning(
                 "rank %d: AHCOMM_TRACE is set here but not on every rank: the trace files get no clock offsets", rank)

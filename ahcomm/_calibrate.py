@@ -174,13 +174,14 @@ def local_rates() -> tuple[float, float, float]:
     return best_add / c.nbytes, best_copy / c.nbytes, asyncio.run(handoffs())
 
 
-STAGED_SLOT = 2 << 20  # bytes of the slot ``staged_reduce_rate`` rewrites before each piece (ring's pieces)
+STAGED_SLOT = 2 << 20  # bytes of the slot ``slot_rate`` rewrites before each piece (ring's pieces)
 
 
-def staged_reduce_rate(passes: int = 5) -> float:
+def slot_rate(reduce: bool = True, passes: int = 5) -> float:
     """Seconds per byte reduced in place out of a slot just written, as a ring's receiver does
-    (``dst += slot``): a destination of ``probe_bytes`` from memory, reduced piece by piece with
-    a ``STAGED_SLOT`` slot rewritten before each piece; the best of ``passes`` (the adds alone)."""
+    (``dst += slot``), or (``reduce`` False) copied out of it: a destination of ``probe_bytes``
+    from memory, piece by piece, a ``STAGED_SLOT`` slot rewritten before each piece (the peer's
+    put); the best of ``passes``, the reductions or copies alone timed."""
     dst = np.ones(probe_bytes() // 4, np.float32)
     slot, fresh = np.ones(STAGED_SLOT // 4, np.float32), np.ones(STAGED_SLOT // 4, np.float32)
     piece = slot.size
@@ -188,9 +189,12 @@ def staged_reduce_rate(passes: int = 5) -> float:
     for _ in range(passes):
         spent = 0.0
         for lo in range(0, dst.size - piece + 1, piece):
-            np.copyto(slot, fresh)  # the peer's put
+            np.copyto(slot, fresh)
             t0 = time.perf_counter()
-            np.add(dst[lo:lo + piece], slot, out=dst[lo:lo + piece])
+            if reduce:
+                np.add(dst[lo:lo + piece], slot, out=dst[lo:lo + piece])
+            else:
+                np.copyto(dst[lo:lo + piece], slot)
             spent += time.perf_counter() - t0
         best = min(best, spent)
     return best / (dst.size // piece * piece * 4)
@@ -382,7 +386,7 @@ def calibrate() -> None:
     shared = copy * shared_copy_rate(copiers) / shared_copy_rate(1)  # the ratio of like measurements
     print(f"reduce: {1 / gamma / 1e9:.2f} GB/s, copy: {1 / copy / 1e9:.2f} GB/s "
           f"({1 / shared / 1e9:.2f} GB/s each with {copiers} copying at once), engine hand-off: {engine * 1e6:.0f} us")
-    gamma_staged = staged_reduce_rate()
+    gamma_staged = slot_rate()
     print(f"reduce in place out of a slot just written: {1 / gamma_staged / 1e9:.2f} GB/s")
     copy_hot, gamma_hot = hot_rates(cores)
     cache = last_level_cache()

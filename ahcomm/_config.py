@@ -47,6 +47,13 @@ def warn_unknown(env: Mapping[str, str]) -> list[str]:
     return named
 
 
+def result_cache_bytes(env: Mapping[str, str] | None = None) -> int:
+    """AHCOMM_RESULT_CACHE_MB (default 256; 0 keeps nothing) in bytes: what ``_outputs.Results``
+    keeps of dropped results to hand out again."""
+    return int(_float(os.environ if env is None else env, "AHCOMM_RESULT_CACHE_MB", 256.0, allow_zero=True,
+                      high=1 << 20) * MiB)
+
+
 def usable_cores() -> int:
     """The cores this host's ranks share: AHCOMM_CORES where a launcher that binds each rank to
     a core says so, else the cores this process may run on (its affinity: a container's cpuset,
@@ -208,7 +215,7 @@ class Config:
         buff_mb = _float(env, "AHCOMM_BUFFSIZE", 64.0)
         _flag(env, "AHCOMM_NT_STORES", True)  # read by _memcopy at the first large call: named here, at init
         _flag(env, "AHCOMM_SHM_NOTIFY", True)  # read by the link endpoint (transports._notify_ring.usable)
-        _float(env, "AHCOMM_RESULT_CACHE_MB", 256.0, allow_zero=True, high=1 << 20)  # read by _outputs.Results
+        result_cache_bytes(env)  # read by _outputs.Results
         for waiting in ("AHCOMM_SPIN_US", "AHCOMM_YIELD_US"):  # read by transports.mailbox where it applies
             _float(env, waiting, 0.0, allow_zero=True)
         transport = env.get("AHCOMM_TRANSPORT", "auto").strip().lower() or "auto"

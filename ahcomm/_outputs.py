@@ -18,17 +18,15 @@ future still holds the last one.)
 from __future__ import annotations
 
 import math
-import os
 import sys
 import threading
 from collections import deque
 
 import numpy as np
 
-from ._config import MiB, _float
+from ._config import result_cache_bytes
 
 MIN_BYTES = 1 << 20  # smaller results come from malloc's own free lists: no fresh pages to fault in
-DEFAULT_MB = 256.0
 _refcount = getattr(sys, "getrefcount", None)  # CPython's; without it nothing is kept
 
 
@@ -41,12 +39,6 @@ def _holders(kept: deque[np.ndarray], i: int) -> int:
 _SENTINEL = deque([np.empty(8, np.uint8)])  # an array nobody else holds: its count is the baseline
 
 
-def cache_bytes(env: dict[str, str] | None = None) -> int:
-    """AHCOMM_RESULT_CACHE_MB (default ``DEFAULT_MB``; 0 keeps nothing) in bytes."""
-    return int(_float(os.environ if env is None else env, "AHCOMM_RESULT_CACHE_MB", DEFAULT_MB, allow_zero=True,
-                      high=1 << 20) * MiB)
-
-
 class Results:
     """A communicator's (and its sub-communicators') kept result arrays: ``AHCOMM_RESULT_CACHE_MB``
     for each communicator made by ``init`` (every group, split or shrink shares its parent's).
@@ -54,7 +46,7 @@ class Results:
     refuses it), as any view of numpy's."""
 
     def __init__(self, limit: int | None = None) -> None:
-        self.limit = cache_bytes() if limit is None else limit
+        self.limit = result_cache_bytes() if limit is None else limit
         self._kept: deque[np.ndarray] = deque()  # uint8 arrays, oldest first
         self._bytes = 0
         self.reused = 0  # results handed out again (``stats()``)

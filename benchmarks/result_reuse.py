@@ -8,9 +8,9 @@ sum, medians of 10 calls after 2 warm-up ones, three rounds. Run it with and wit
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import statistics
-import sys
 import time
 
 import numpy as np
@@ -19,7 +19,9 @@ import ahcomm
 
 
 async def main() -> None:
-    nbytes = int(sys.argv[1]) if len(sys.argv) > 1 else 64 << 20
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("nbytes", type=int, nargs="?", default=64 << 20, help="bytes of the all_reduce (default 64 MiB)")
+    nbytes = p.parse_args().nbytes
     async with await ahcomm.init() as comm:
         x = np.ones(nbytes // 4, np.float32)
         y = np.ones_like(x)

@@ -4,14 +4,16 @@ Two processes on two cores: the first writes one byte to a pipe the second waits
 epoll (as a rank's event loop waits on its notify FIFO), the second answers. Before each write
 the first copies N bytes between two private buffers, or spins as long without touching
 memory. Printed: the write() that wakes the peer, and the round trip, median of 300, per N.
-On the Intel VM of 2026-11-27 (results/2026-11-27-cold-notify.md): write() 12 us after a spin
-or a 256 KiB copy, 24 after 1 MiB, 38 after 2 MiB; the round trip 52 -> 102 us.
+On the Intel VM of 2026-11-27 (results/2026-11-27-cold-notify.md, three runs): write() 12.9-13.6
+us with nothing before it, 22-24 after a 1 MiB copy, 33.5-37.2 after 2 MiB; the round trip 56 us
+with nothing before, 71-101 after a 2 MiB copy.
 
     python3 benchmarks/wake_probe.py
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import select
 import statistics
@@ -40,6 +42,7 @@ def _spin(seconds: float) -> None:
 
 
 def main() -> None:
+    argparse.ArgumentParser(description=__doc__.split("\n")[0]).parse_args()  # --help, and no stray arguments
     cores = sorted(os.sched_getaffinity(0))
     to_peer, from_peer = os.pipe(), os.pipe()
     if os.fork() == 0:

@@ -13,7 +13,7 @@ BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
 @pytest.mark.parametrize("script", ["staged_probe.py", "staged_reduce_probe.py", "limits.py", "summary.py",
-                                    "selection_replay.py"])
+                                    "selection_replay.py", "wake_probe.py", "result_reuse.py"])
 def test_help_prints_usage_and_runs_nothing(script: str) -> None:
     done = subprocess.run([sys.executable, str(BENCHMARKS / script), "--help"], capture_output=True, text=True,
                           timeout=60, cwd=BENCHMARKS.parent)

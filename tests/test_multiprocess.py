@@ -230,14 +230,14 @@ def test_peers_may_read_us_under_yamas_relational_scope(scope: str | None, resul
     libc = _FakeLibc(result)
     monkeypatch.setattr(_cma, "_libc", libc)
     monkeypatch.setattr(_cma, "_allowed", 0)
-    assert _cma.allow_peers(str(path)).startswith(expect)
+    assert _cma.allow_peers(str(path)).said.startswith(expect)
     assert libc.calls == ([(_cma.PR_SET_PTRACER, _cma.PR_SET_PTRACER_ANY, 0, 0, 0)] if scope == "1" else [])
 
 
 def test_the_last_communicator_to_close_puts_yamas_scope_back(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Two communicators lifted the scope: the first to close leaves it lifted for the other, the
-    second restores the default (PR_SET_PTRACER 0: only descendants may read us); a release
-    with nothing lifted does nothing."""
+    """Two communicators lifted the scope: the first to close leaves it lifted for the other (even
+    released twice), the second restores the default (PR_SET_PTRACER 0: only descendants may read
+    us); releasing a grant that lifted nothing does nothing."""
     from ahcomm.transports import _cma
 
     path = tmp_path / "ptrace_scope"
@@ -245,12 +245,14 @@ def test_the_last_communicator_to_close_puts_yamas_scope_back(tmp_path: Path, mo
     libc = _FakeLibc(0)
     monkeypatch.setattr(_cma, "_libc", libc)
     monkeypatch.setattr(_cma, "_allowed", 0)
-    _cma.release_peers()
+    _cma.Grant("open").release()
     assert libc.calls == []
-    assert _cma.allow_peers(str(path)) == _cma.allow_peers(str(path)) == "allowed"
-    _cma.release_peers()
+    first, second = _cma.allow_peers(str(path)), _cma.allow_peers(str(path))
+    assert first.said == second.said == "allowed"
+    first.release()
+    first.release()  # once only: the other communicator's grant still holds
     assert libc.calls[-1][1] == _cma.PR_SET_PTRACER_ANY
-    _cma.release_peers()
+    second.release()
     assert libc.calls[-1] == (_cma.PR_SET_PTRACER, 0, 0, 0, 0)
 
 

@@ -70,7 +70,7 @@ PR_SET_PTRACER = 0x59616D61
 PR_SET_PTRACER_ANY = ctypes.c_ulong(-1).value
 
 
-_allowed = 0  # communicators of this process that lifted Yama's scope (``allow_peers`` / ``release_peers``)
+_allowed = 0  # communicators of this process that lifted Yama's scope (``allow_peers``, ``Grant.release``)
 _allowed_lock = threading.Lock()
 
 
@@ -82,37 +82,45 @@ def _set_ptracer(value: int) -> int:
                      ctypes.c_ulong(0)))
 
 
-def allow_peers(scope_file: str = YAMA_SCOPE) -> str:
+class Grant:
+    """What ``allow_peers`` found (``said``), and its undoing: ``release`` once, however often called."""
+
+    def __init__(self, said: str) -> None:
+        self.said = said
+        self._held = said == "allowed"
+
+    def release(self) -> None:
+        """Undo this grant (a communicator closed, failed to start, or agreed on no single copy):
+        the last one held puts Yama's default back (only descendants may read us)."""
+        global _allowed
+        if not self._held:
+            return
+        self._held = False
+        with _allowed_lock:
+            _allowed -= 1
+            if _allowed == 0:
+                _set_ptracer(0)
+
+
+def allow_peers(scope_file: str = YAMA_SCOPE) -> Grant:
     """Let this user's other processes read this one's memory where Yama asks for it (see the
-    module's text), until as many ``release_peers`` as "allowed" answers. Returns what it found:
-    "open" (no Yama, or scope 0: nothing to do), "allowed" (scope 1, lifted for this process),
-    or "refused: ..." (scope 2 or 3, which no process can lift for itself, or prctl failed)."""
+    module's text), until the grant is released. Its ``said``: "open" (no Yama, or scope 0:
+    nothing to do), "allowed" (scope 1, lifted for this process), or "refused: ..." (scope 2 or
+    3, which no process can lift for itself, or prctl failed)."""
     global _allowed
     try:
         with open(scope_file) as f:
             scope = f.read().strip()
     except OSError:
-        return "open"
+        return Grant("open")
     if scope == "0":
-        return "open"
+        return Grant("open")
     if scope != "1":
-        return f"refused: Yama ptrace_scope is {scope}"
+        return Grant(f"refused: Yama ptrace_scope is {scope}")
     if getattr(_libc, "prctl", None) is None:
-        return "refused: no prctl"
+        return Grant("refused: no prctl")
     with _allowed_lock:
         if _set_ptracer(PR_SET_PTRACER_ANY) != 0:
-            return f"refused: prctl(PR_SET_PTRACER) failed: {os.strerror(ctypes.get_errno())}"
+            return Grant(f"refused: prctl(PR_SET_PTRACER) failed: {os.strerror(ctypes.get_errno())}")
         _allowed += 1
-    return "allowed"
-
-
-def release_peers() -> None:
-    """Undo one "allowed" ``allow_peers`` (a communicator closed, failed to start, or agreed on no
-    single copy): the last one puts Yama's default back (only descendants may read us)."""
-    global _allowed
-    with _allowed_lock:
-        if _allowed == 0:
-            return
-        _allowed -= 1
-        if _allowed == 0:
-            _set_ptracer(0)
+    return Grant("allowed")
