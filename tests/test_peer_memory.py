@@ -185,10 +185,10 @@ def test_a_new_segment_unlists_older_rows_over_its_addresses() -> None:
     rows = owner._rows
     assert rows is not None
     b = alloc(1 << 16, np.uint8)
-    if b.ctypes.data == address:
-        assert not (rows[1::3] == -2).any()
-    else:
+    if b.ctypes.data != address:
         owner._unlist(rows, np.flatnonzero(rows[1::3] == -2))
+        pytest.skip("the kernel placed the new segment elsewhere: nothing overlapped")
+    assert not (rows[1::3] == -2).any()
 
 
 def test_a_free_during_an_edit_waits_for_the_next_alloc() -> None:
@@ -236,7 +236,7 @@ def test_a_reader_gives_up_on_a_table_that_keeps_changing() -> None:
         assert reader.view(a.ctypes.data, 64) is not None
 
 
-def test_a_peer_without_alloc_memory_is_read_through_the_kernel() -> None:
+def test_a_peer_that_never_allocated_has_nothing_mapped() -> None:
     reader = PeerMemory(f"{table_name()}-none")  # a table that was never made
     assert reader.view(1 << 20, 8) is None
     reader.close()
@@ -302,10 +302,11 @@ async def test_mesh_all_reduce_reduces_mapped_shares_where_they_lie(transport: s
     assert given, "no share was reduced where it lies"
 
 
-@pytest.mark.parametrize("transport", ["inproc", "sdma"])
 @pytest.mark.parametrize("algorithm", ["mesh", "direct"])
 @pytest.mark.parametrize("size", [2, 3])
-async def test_readers_copy_from_mapped_buffers(transport: str, algorithm: str, size: int) -> None:
+async def test_readers_copy_from_mapped_buffers(algorithm: str, size: int) -> None:
+    """sdma links made in this process: a read of a peer's alloc buffer is counted as mapped, one
+    of an ordinary array (the odd ranks' all_gather inputs) as through the kernel."""
     count = (1 << 20) + 3  # above both algorithms' single-copy thresholds
 
     async def body(comm: ahcomm.Comm) -> dict[str, int]:
@@ -322,10 +323,9 @@ async def test_readers_copy_from_mapped_buffers(transport: str, algorithm: str, 
                 reads[key] += value
         return reads
 
-    reads = await run_inproc(size, body, transport=transport)
-    if transport == "sdma":
-        assert all(r["mapped"] > 0 for r in reads), reads
-        assert any(r["kernel"] > 0 for r in reads), reads  # the all_gather's blocks from odd ranks
+    reads = await run_inproc(size, body, transport="sdma")
+    assert all(r["mapped"] > 0 for r in reads), reads
+    assert any(r["kernel"] > 0 for r in reads), reads  # the all_gather's blocks from odd ranks
 
 
 async def test_a_view_over_sdma_sees_the_peers_memory_not_a_copy() -> None:
@@ -354,13 +354,17 @@ def test_real_processes(n: int, who: str) -> None:
         "WHO": who})
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out
+    kernels = []
     for r in range(n):
         match = re.search(rf"\[{r}\] OK mapped (\d+) kernel (\d+)", out)
         assert match is not None, out
         mapped, kernel = int(match.group(1)), int(match.group(2))
         assert mapped > 0, out
-        if who == "all":
-            assert kernel == 0, out  # every read of a peer came out of its mapped memory
+        kernels.append(kernel)
+    if who == "all":
+        assert not any(kernels), out  # every read of a peer came out of its mapped memory
+    else:
+        assert any(kernels), out  # the odd ranks' ordinary arrays went through the kernel
     left = {p.name for p in SHM.glob("ahcomm-*-mem-*")} - before
     assert not [name for name in left if not Path(f"/proc/{name.split('-')[1]}").exists()], left
 

@@ -49,7 +49,8 @@ more CPU (pro rata below that) where it wakes a sleeping peer: the wake-up's sys
 the event loop's next steps run from a cold cache (results/2026-11-27-cold-notify.md). A
 reduction in place out of a staging slot a peer just wrote (a ring's ``dst += slot``) costs
 ``gamma_staged`` a byte there, where measured: one operand is in the cache and the output's lines
-are read anyway (10.4-10.6 GB/s on the Intel VM against ``gamma``'s 4.9-5.4). The selector prices a notify's
+are read anyway (10.4-11.4 GB/s on the Intel VM against ``gamma``'s 4.9-5.4;
+results/2026-11-27-alloc-and-staged.md). The selector prices a notify's
 CPU share as CPU (longer where ranks share cores) and the rest as latency, and leaves ``launch``
 out (every candidate pays it alike): on the Intel VM's tune sweep (48 points, np=2 and 4,
 2-64 MiB) the calibrated pick was within 10% of the fastest at 39 points either way, its worst
