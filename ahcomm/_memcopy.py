@@ -136,9 +136,7 @@ def read_bounced(dst: np.ndarray, addr: int, read: Callable[[np.ndarray, int], N
     if not misaligned(_address(raw), addr, raw.nbytes):
         read(raw, addr)
         return
-    buf = _bounce.buf
-    if buf is None:
-        buf = _bounce.buf = np.empty(BOUNCE_BYTES + LINE, np.uint8)
+    buf = _bounce_buffer()
     base = _address(buf)
     for lo in range(0, raw.nbytes, BOUNCE_BYTES):
         hi = min(lo + BOUNCE_BYTES, raw.nbytes)
@@ -146,3 +144,30 @@ def read_bounced(dst: np.ndarray, addr: int, read: Callable[[np.ndarray, int], N
         piece = buf[at:at + hi - lo]
         read(piece, addr + lo)
         np.positive(piece, out=raw[lo:hi])
+
+
+def write_bounced(src: np.ndarray, addr: int, write: Callable[[np.ndarray, int], None]) -> None:
+    """Write the contiguous ``src`` to ``addr`` with ``write(from, addr)`` (a raw single-copy
+    write): directly where the two are aligned, else in ``BOUNCE_BYTES`` pieces copied with the
+    vector loop into this thread's bounce buffer, placed at ``addr``'s alignment, first."""
+    if not src.flags.c_contiguous:
+        raise ValueError("a single-copy write needs a contiguous source")
+    raw = _flat(src)
+    if not misaligned(addr, _address(raw), raw.nbytes):
+        write(raw, addr)
+        return
+    buf = _bounce_buffer()
+    base = _address(buf)
+    for lo in range(0, raw.nbytes, BOUNCE_BYTES):
+        hi = min(lo + BOUNCE_BYTES, raw.nbytes)
+        at = (addr + lo - base) % LINE
+        piece = buf[at:at + hi - lo]
+        np.positive(raw[lo:hi], out=piece)
+        write(piece, addr + lo)
+
+
+def _bounce_buffer() -> np.ndarray:
+    buf = _bounce.buf
+    if buf is None:
+        buf = _bounce.buf = np.empty(BOUNCE_BYTES + LINE, np.uint8)
+    return buf

@@ -7,7 +7,7 @@ consumes it (back to 0), a second post before the wait is one flag (an overrun),
 apart per (signal, index, seq parity); ``put`` then ``post`` (and ``flush`` where puts are not
 copies) means the bytes have landed, for 0, 1, odd, large and multi-frame sizes, in order;
 ``remote`` maps the peer's buffers exactly where ``mapped``; ``read`` copies the peer's memory
-where ``single_copy``; ``fail`` wakes every waiter and every later wait raises.
+where ``single_copy``, and ``write`` into it; ``fail`` wakes every waiter and every later wait raises.
 """
 
 from __future__ import annotations
@@ -154,6 +154,22 @@ async def test_read_copies_the_peers_memory_where_single_copy(pair: LocalLinks) 
     await settle(a, Signal.DATA, 2, 0)
     a.read(dst.view(np.uint8), a.value(Signal.DATA, 2, 0), _run)
     np.testing.assert_array_equal(dst, src)
+
+
+@pytest.mark.parametrize("shift", [0, 8])  # 8: a misaligned pair, written through the bounce buffer
+async def test_write_copies_into_the_peers_memory_where_single_copy(pair: LocalLinks, shift: int) -> None:
+    a, _b = ends(pair)
+    src = np.arange(5000, dtype=np.uint32)
+    dst = np.zeros(6000, np.uint32)  # "rank 1's output": one process, one address space
+    if not a.single_copy:
+        with pytest.raises(NotImplementedError):
+            a.write(src.view(np.uint8), int(dst.ctypes.data))
+        return
+    sent = a.stats()["bytes_sent"]
+    a.write(src.view(np.uint8)[shift:], int(dst.ctypes.data) + 4)
+    np.testing.assert_array_equal(dst.view(np.uint8)[4:4 + src.nbytes - shift], src.view(np.uint8)[shift:])
+    assert not dst[:1].any() and not dst.view(np.uint8)[4 + src.nbytes - shift:].any()  # nothing around it
+    assert a.stats()["bytes_sent"] - sent == src.nbytes - shift
 
 
 async def test_fail_wakes_waiters_and_later_waits_raise(pair: LocalLinks) -> None:

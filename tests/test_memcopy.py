@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from ahcomm import _memcopy
-from ahcomm._memcopy import BOUNCE_BYTES, LINE, PAGE, copy, misaligned, read_bounced
+from ahcomm._memcopy import BOUNCE_BYTES, LINE, PAGE, copy, misaligned, read_bounced, write_bounced
 from ahcomm.transports import _cma
 from ahcomm.transports.inproc import _memmove
 
@@ -126,6 +126,44 @@ def test_cma_read_hands_the_kernel_aligned_pairs(monkeypatch: pytest.MonkeyPatch
         _cma.read(os.getpid(), dst, src.ctypes.data)
     except OSError as exc:
         pytest.skip(f"process_vm_readv on this process is not permitted here: {exc}")
+    assert np.array_equal(dst, src)
+    assert seen and all((local - remote) % LINE == 0 for local, remote in seen)
+
+
+@pytest.mark.parametrize("nbytes", [100, 2048, 5000, 3 * BOUNCE_BYTES + 11])
+@pytest.mark.parametrize("offset", [0, 8, 16, 31, 32, 48, 72, 4040])
+def test_write_bounced_gives_the_kernel_aligned_pairs(nbytes: int, offset: int) -> None:
+    src, dst = _pair(nbytes, offset, seed=offset)
+    calls: list[tuple[int, int, int]] = []
+
+    def kernel(piece: np.ndarray, addr: int) -> None:  # a process_vm_writev of ``piece`` to ``addr``
+        calls.append((addr, piece.ctypes.data, piece.nbytes))
+        ctypes.memmove(addr, piece.ctypes.data, piece.nbytes)
+
+    write_bounced(src, dst.ctypes.data, kernel)
+    assert np.array_equal(dst, src)
+    if misaligned(dst.ctypes.data, src.ctypes.data, nbytes):
+        assert len(calls) == -(-nbytes // BOUNCE_BYTES)
+        assert all(not misaligned(addr, frm, size) and size <= BOUNCE_BYTES for addr, frm, size in calls)
+    else:
+        assert calls == [(dst.ctypes.data, src.ctypes.data, nbytes)]
+
+
+def test_cma_write_lands_and_hands_the_kernel_aligned_pairs(monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: list[tuple[int, int]] = []
+    real = _cma._writev
+    if real is None:
+        pytest.skip("no process_vm_writev")
+
+    def spy(pid, local, nlocal, remote, nremote, flags):  # type: ignore[no-untyped-def]
+        seen.append((local._obj.base, remote._obj.base))
+        return real(pid, local, nlocal, remote, nremote, flags)
+    monkeypatch.setattr(_cma, "_writev", spy)
+    src, dst = _pair(200_000, 16)
+    try:
+        _cma.write(os.getpid(), src, dst.ctypes.data)
+    except OSError as exc:
+        pytest.skip(f"process_vm_writev on this process is not permitted here: {exc}")
     assert np.array_equal(dst, src)
     assert seen and all((local - remote) % LINE == 0 for local, remote in seen)
 

@@ -1,7 +1,8 @@
-"""Single-copy reads of another process's memory (Linux cross-memory attach).
+"""Single-copy reads and writes of another process's memory (Linux cross-memory attach).
 
 ``process_vm_readv`` copies straight from a peer's address space into ours, the way an
-SDMA engine reads a peer's memory: one copy instead of staging through shared memory.
+SDMA engine reads a peer's memory: one copy instead of staging through shared memory;
+``process_vm_writev`` the other way (the same permission covers both).
 It needs ptrace-level permission over the peer (same user, no restrictive Yama policy);
 ``probe`` finds out before anything relies on it. ctypes releases the GIL for the call.
 
@@ -17,10 +18,11 @@ import ctypes
 import functools
 import os
 import threading
+from typing import Any
 
 import numpy as np
 
-from .._memcopy import read_bounced
+from .._memcopy import read_bounced, write_bounced
 
 
 class _IoVec(ctypes.Structure):
@@ -33,6 +35,10 @@ if _readv is not None:
     _readv.argtypes = [ctypes.c_int, ctypes.POINTER(_IoVec), ctypes.c_ulong, ctypes.POINTER(_IoVec),
                        ctypes.c_ulong, ctypes.c_ulong]
     _readv.restype = ctypes.c_ssize_t
+_writev = getattr(_libc, "process_vm_writev", None)
+if _writev is not None:
+    _writev.argtypes = _readv.argtypes if _readv is not None else None
+    _writev.restype = ctypes.c_ssize_t
 
 
 def read(pid: int, dst: np.ndarray, addr: int) -> None:
@@ -42,17 +48,31 @@ def read(pid: int, dst: np.ndarray, addr: int) -> None:
     read_bounced(dst, addr, functools.partial(_read, pid))
 
 
+def write(pid: int, src: np.ndarray, addr: int) -> None:
+    """Copy ``src`` (contiguous) into process ``pid``'s memory at ``addr``; a misaligned pair
+    through a bounce buffer placed at ``addr``'s alignment (``_memcopy.write_bounced``)."""
+    write_bounced(src, addr, functools.partial(_write, pid))
+
+
 def _read(pid: int, dst: np.ndarray, addr: int) -> None:
-    if _readv is None:
-        raise OSError("process_vm_readv is not available")
-    done, total, base = 0, dst.nbytes, dst.ctypes.data
+    _transfer(_readv, "process_vm_readv from", pid, dst, addr)
+
+
+def _write(pid: int, src: np.ndarray, addr: int) -> None:
+    _transfer(_writev, "process_vm_writev to", pid, src, addr)
+
+
+def _transfer(call: Any, what: str, pid: int, local_array: np.ndarray, addr: int) -> None:
+    if call is None:
+        raise OSError(f"{what.split()[0]} is not available")
+    done, total, base = 0, local_array.nbytes, local_array.ctypes.data
     while done < total:
         local = _IoVec(base + done, total - done)
         remote = _IoVec(addr + done, total - done)
-        got = _readv(pid, ctypes.byref(local), 1, ctypes.byref(remote), 1, 0)
+        got = call(pid, ctypes.byref(local), 1, ctypes.byref(remote), 1, 0)
         if got <= 0:
             err = ctypes.get_errno()
-            raise OSError(err, f"process_vm_readv from pid {pid} failed: {os.strerror(err)}")
+            raise OSError(err, f"{what} pid {pid} failed: {os.strerror(err)}")
         done += got
 
 

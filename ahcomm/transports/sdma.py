@@ -48,6 +48,7 @@ class SdmaLink(MappedAccess, ZmqLink):
         self._memory: PeerMemory | None = None  # (a connection's first link) the peer's ahcomm.alloc memory
         self.mapped_read_bytes = 0  # read() served from the peer's alloc memory, mapped here
         self.kernel_read_bytes = 0  # read() through process_vm_readv
+        self.kernel_write_bytes = 0  # write() through process_vm_writev
         if parent is not None:
             self.single_copy = parent.single_copy  # the same process: probed already
         else:
@@ -140,6 +141,7 @@ class SdmaLink(MappedAccess, ZmqLink):
         box = self.outbox
         out["notifies"] = "zeromq" if box is None or box.sticky else "shared memory"  # how posts travel now
         out["read_bytes"] = {"mapped": self.mapped_read_bytes, "kernel": self.kernel_read_bytes}
+        out["write_bytes"] = {"kernel": self.kernel_write_bytes}
         return out
 
     def _view(self, addr: int, nbytes: int) -> np.ndarray | None:
@@ -166,12 +168,24 @@ class SdmaLink(MappedAccess, ZmqLink):
     def _read(self, dst: np.ndarray, addr: int) -> None:
         try:
             _cma.read(self.pid, dst, addr)
-        except OSError as exc:  # the peer's process is gone (often noticed here first), or its memory is
-            if exc.errno == errno.ESRCH:
-                raise PeerFailure(f"rank {self.peer} is lost: its process (pid {self.pid}) is gone "
-                                  f"(noticed by rank {self.rank} reading its memory)", rank=self.peer) from None
-            raise TransportError(f"sdma link {self.peer}->{self.rank}: reading rank {self.peer}'s memory "
-                                 f"failed: {exc}") from exc
+        except OSError as exc:
+            raise self._failed("reading", exc) from (None if exc.errno == errno.ESRCH else exc)
+
+    def write(self, src: np.ndarray, addr: int) -> None:
+        self.bytes_sent += src.nbytes
+        self.kernel_write_bytes += src.nbytes
+        try:
+            _cma.write(self.pid, src, addr)
+        except OSError as exc:
+            raise self._failed("writing", exc) from (None if exc.errno == errno.ESRCH else exc)
+
+    def _failed(self, doing: str, exc: OSError) -> Exception:
+        """The peer's process is gone (often noticed here first), or its memory is not there."""
+        if exc.errno == errno.ESRCH:
+            return PeerFailure(f"rank {self.peer} is lost: its process (pid {self.pid}) is gone "
+                               f"(noticed by rank {self.rank} {doing} its memory)", rank=self.peer)
+        return TransportError(f"sdma link {self.peer}->{self.rank}: {doing} rank {self.peer}'s memory "
+                              f"failed: {exc}")
 
     def on_data_message(self, kind: int, a: int, index: int, nbytes: int, seq: int, offset: int,
                         sock: zmq.Socket[Any]) -> None:
