@@ -17,7 +17,7 @@ import pytest
 
 import ahcomm
 from ahcomm.algorithms import REGISTRY, Call, Topology
-from ahcomm.algorithms.mesh import SCRATCH_BYTES
+from ahcomm.algorithms.mesh import PUSH_BYTES
 
 from support.inproc import busy_flags
 from support.numerics import assert_close, reduce_ref
@@ -260,12 +260,12 @@ async def test_mesh_single_copy_all_reduce_streams_a_large_output_out(size: int,
                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     """Out of place into an output the cache should not keep (``Context.stream_output``, here for
     every size), a rank reduces each piece of its share in the scratch and streams it out: one
-    peer reduces into the piece read, two or more into a second piece. Pieces of 1 MiB and an odd
-    tail; in place takes the other path; the inputs stay as they were."""
+    peer reduces into the piece read, two or more into a second piece. Pieces of ``PUSH_BYTES``
+    and an odd tail; in place takes the other path; the inputs stay as they were."""
     monkeypatch.setattr("ahcomm.algorithms.base.streams", lambda nbytes: True)
     monkeypatch.setattr("ahcomm.algorithms.base.usable_cores", lambda: 8)  # a core for each rank
     rng = np.random.default_rng(size)
-    count = size * (SCRATCH_BYTES // np.dtype(dtype).itemsize) + 7
+    count = size * (PUSH_BYTES // np.dtype(dtype).itemsize) + 7
     xs = [(rng.integers(1, 3, count) if np.dtype(dtype).kind == "i" else rng.standard_normal(count)).astype(dtype)
           for _ in range(size)]
     copies = [x.copy() for x in xs]
@@ -291,7 +291,7 @@ async def test_mesh_single_copy_all_reduce_writes_directly_where_ranks_share_cor
     the scratch cost more than it saved at 4 ranks on 2 cores)."""
     monkeypatch.setattr("ahcomm.algorithms.base.streams", lambda nbytes: True)
     monkeypatch.setattr("ahcomm.algorithms.base.usable_cores", lambda: 2)
-    xs = [np.full(3 * SCRATCH_BYTES // 4 + 5, r + 1, np.float32) for r in range(3)]
+    xs = [np.full(3 * PUSH_BYTES // 4 + 5, r + 1, np.float32) for r in range(3)]
 
     async def body(comm: ahcomm.Comm) -> tuple[np.ndarray, dict[str, int]]:
         return await comm.all_reduce(xs[comm.rank], algorithm="mesh"), comm.stats()["paths"]

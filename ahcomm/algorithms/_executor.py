@@ -21,6 +21,7 @@ from .._memcopy import copy
 from .._stream import Stream, engine_bytes_for
 from .._trace import Tracer
 from ..transports.base import Link, LinkEvents, Mailboxes
+from ._push import Gates
 from .base import ALIGN, WHOLE, Algorithm, Call, Context, Resources, Topology
 
 RESOURCE_CACHE = 256  # entries of the per-communicator resources cache
@@ -120,6 +121,7 @@ class Executor:
         self._ctx: Context | None = None  # the run in progress (abort fails its local notifies)
         self._error: BaseException | None = None  # set by abort: no further slice starts
         self._scratch = np.empty(0, np.uint8)
+        self.gates = Gates()  # its address is posted per call: it never moves
         self._resources: dict[tuple[Any, ...], Resources] = {}
         self.mailbox: Mailboxes | None = None  # the host's mailboxes (set at init where ``topo.mailbox``)
         self.paths: dict[str, int] = {}  # runs per path where an algorithm has several (``Context.tally``)
@@ -223,7 +225,7 @@ class Executor:
             ctx = Context(call=call, topo=self.topo, links=self.links, src=s, dst=d,
                           ccl_in=ccl_in, ccl_out=ccl_out, half_offset=parity, main=self.main, subs=subs,
                           ufunc=ufunc, final=b == call.count, scratch=self.scratch, mailbox=self.mailbox,
-                          paths=self.paths)
+                          paths=self.paths, gates=self.gates)
             self._ctx = ctx
             try:
                 await algorithm.orchestrate(ctx)

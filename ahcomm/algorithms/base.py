@@ -35,6 +35,7 @@ from .._memcopy import streams
 from .._notify import Notify
 from .._stream import Stream, TaskFn
 from ..transports.base import DataLink, Mailboxes, Signal
+from ._push import Gates
 from .call import WHOLE, Call, Resources, Topology
 from .cost import CostModel, Work, call_bytes
 
@@ -64,7 +65,7 @@ class Context:
                  dst: np.ndarray, ccl_in: np.ndarray, ccl_out: np.ndarray, half_offset: int, main: Stream,
                  subs: Sequence[Stream], ufunc: np.ufunc | None, final: bool = True,
                  scratch: Callable[[int], np.ndarray] | None = None, mailbox: Mailboxes | None = None,
-                 paths: dict[str, int] | None = None) -> None:
+                 paths: dict[str, int] | None = None, gates: Gates | None = None) -> None:
         self.call = call
         self.topo = topo
         self.rank = topo.rank
@@ -82,6 +83,7 @@ class Context:
         self._scratch = scratch
         self.mailbox = mailbox  # the host's mailboxes (one-shot algorithms), where ``topo.mailbox``
         self.fingerprint = call.fingerprint
+        self.gates = gates  # the communicator's words for writes into peers' outputs (``_push``)
         self._paths = paths  # the executor's counts of the paths runs took (``comm.stats()["paths"]``)
         self._locals: dict[Hashable, Notify] = {}
         self._error: BaseException | None = None

@@ -22,9 +22,10 @@ _TABLE: dict[tuple[str, str, bool], tuple[int, int, str]] = {
     ("mesh", "broadcast", False): (1, 1, "root stages in CCL_In, every peer copies it out"),
     ("mesh", "broadcast", True): (0, 1, f"every peer reads the root's user buffer ({_READ})"),
     ("mesh", "all_reduce", False): (1, 1, "owner stages, every peer reduces straight out of its CCL_In"),
-    ("mesh", "all_reduce", True): (0, 1, "every peer pulls shares from user buffers into cache-sized scratch "
-                                         "and reduces them (a share in ahcomm.alloc memory: reduced where it "
-                                         f"lies, mapped); then reads the others' results ({_READ})"),
+    ("mesh", "all_reduce", True): (1, 1, "every rank pulls its peers' pieces of its share into cache-sized "
+                                         f"scratch ({_READ}: reduced where it lies) and reduces them, then "
+                                         "writes each reduced piece into every peer's output while it is in "
+                                         "cache (process_vm_writev)"),
     ("oneshot", "all_gather", False): (1, 1, "owner writes its mailbox slot, every peer copies it out"),
     ("oneshot", "broadcast", False): (1, 1, "root writes its mailbox slot, every peer copies it out"),
     ("oneshot", "all_reduce", False): (1, 1, "owner writes its slot, every rank reduces all slots"),

@@ -31,6 +31,7 @@ import numpy as np
 from .._memcopy import copy
 from .._stream import Stream
 from ..transports.base import Signal
+from . import _push
 from ._mesh_whole import OPS as WHOLE_OPS
 from ._mesh_whole import orchestrate_whole, whole_work
 from .base import Algorithm, Call, Context, Resources, Topology, aligned, oversubscribed, split
@@ -40,10 +41,15 @@ DIRECT_BYTES = 32 * 1024  # all_reduce below this: every rank reduces the whole 
 # Per-rank bytes from which single-copy reads pay off (measured on the 2-core host; below,
 # staging wins because it needs no closing Ack round).
 SINGLE_COPY_BYTES = {"all_gather": 256 << 10, "all_reduce": 256 << 10, "broadcast": 4 << 20}
-SCRATCH_BYTES = 1 << 20  # piece of a peer's share pulled into cache before it is reduced
+# Piece in which a rank reduces its share and pushes it into the peers' outputs (single-copy
+# all_reduce): small enough that the piece is still in the core's cache when it is written out.
+# np=2 in-place 64 MiB, ms a call: 256 KiB 8.8-9.1, 512 KiB 8.9-9.3, 128 KiB 10.2-10.5, 1 MiB
+# no better than reading the shares afterwards (results/2026-11-27-push.md).
+PUSH_BYTES = 256 << 10
 # Notify indexes of the single-copy protocol (0 and 1 belong to the staged one): DataSignal
-# 2 carries the input's address, DataSignal 3 the result's; Ack 2 says "done reading yours".
-SC_DATA, SC_RESULT, SC_DONE = 2, 3, 2
+# 2 carries the input's address, DataSignal 3 the output's, DataSignal 4 the address of the
+# rank's words (``_push``); Ack 2 says "done with yours".
+SC_DATA, SC_RESULT, SC_WORDS, SC_DONE = 2, 3, 4, 2
 SPLIT_BYTES = 4 << 20  # reads at least this big are cut in two, one half per copy engine
 
 Job = Callable[[Stream], None]
@@ -137,8 +143,10 @@ class Mesh(Algorithm):
         sc = single_copy(call, topo)
         if op == "all_reduce":
             if sc:
-                work = Work(rounds=3, handoffs=2, copied=2 * peers / n * whole, reduced=peers / n * whole,
-                            tasks=3 * peers, engines=2 * engine_tasks(whole / n))
+                # one engine task reduces and pushes; the words' and the input's addresses go out
+                # together (one wake-up of each peer), the output's, then "done"
+                work = Work(rounds=3, copied=2 * peers / n * whole, reduced=peers / n * whole,
+                            tasks=3 * peers, engines=engine_tasks(whole / n))
             elif whole <= DIRECT_BYTES:
                 work = Work(rounds=1, copied=whole, reduced=peers * whole, tasks=peers)
             else:
@@ -173,7 +181,12 @@ class Mesh(Algorithm):
         op = ctx.call.op
         path = self._single[op] if single_copy(ctx.call, ctx.topo) else self._staged[op]
         path(self, ctx)
-        await ctx.synchronize()
+        try:
+            await ctx.synchronize()
+        except BaseException:
+            if ctx.gates is not None and path is Mesh._sc_all_reduce:  # peers may still write our output
+                await _push.settle(ctx.gates, ctx.links, ctx.call.seq, op)
+            raise
 
     async def _run_whole(self, ctx: Context) -> None:
         orchestrate_whole(ctx)
@@ -282,47 +295,71 @@ class Mesh(Algorithm):
             _exchange(ctx, Signal.ACK, SC_DONE, peers=[root], waiters=[])
 
     def _sc_all_reduce(self, ctx: Context) -> None:
+        """Each rank reduces its share piece by piece (peers' pieces read through the kernel into
+        a scratch piece, or mapped where they are ``ahcomm.alloc`` memory) and writes each reduced
+        piece into every peer's output while it is in its cache (``_push``: the writes stop where
+        a peer's call ended). Three rounds: the inputs' and the words' addresses, then the
+        outputs' (posted only once every peer's words are known), then "done writing yours"."""
         n, r, src, dst = ctx.size, ctx.rank, ctx.src, ctx.dst
-        item, ufunc = ctx.call.itemsize, ctx.ufunc
-        assert ufunc is not None
+        item, ufunc, gates, seq = ctx.call.itemsize, ctx.ufunc, ctx.gates, ctx.call.seq
+        assert ufunc is not None and gates is not None
         chunks = split(dst.size, n)
-        _exchange(ctx, Signal.DATA, SC_DATA, value=src.ctypes.data)
         a, b = chunks[r]
-        peers = [(ctx.links[p], p) for p in range(n) if p != r]
+        others = [p for p in range(n) if p != r]
+        gates.open(seq)
+        for p in others:
+            ctx.post(ctx.main, p, Signal.DATA, SC_WORDS, gates.address)
+        _exchange(ctx, Signal.DATA, SC_DATA, value=src.ctypes.data)
+        for p in others:
+            ctx.wait(ctx.main, p, Signal.DATA, SC_WORDS)
+        ctx.main.submit(lambda: gates.expose(seq, {p: ctx.posted(p, Signal.DATA, SC_WORDS) for p in others}))
+        _exchange(ctx, Signal.DATA, SC_RESULT, value=dst.ctypes.data)
         # Out of place into a large output, where every rank has a core: reduce in cache and stream
         # each piece out, so that the output's lines are not read before they are written (np=2
         # 64 MiB: the reduction took 10.0 ms writing the output directly against 6.4 in place). With
         # 4 ranks on 2 cores the extra pass cost more than it saved at 16-32 MiB (4-8% slower;
         # results/2026-11-27-result-reuse.md).
         streamed = src is not dst and not oversubscribed(ctx.topo) and ctx.stream_output()
-        pieces = 2 if streamed and len(peers) > 1 else 1  # several peers: a second piece accumulates
-        step = max(1, aligned(min(SCRATCH_BYTES, ctx.ccl_out.nbytes // pieces), item) // item)
+        pieces = 2 if streamed and len(others) > 1 else 1  # several peers: a second piece accumulates
+        step = max(1, aligned(min(PUSH_BYTES, ctx.ccl_out.nbytes // pieces), item) // item)
         scratch = ctx.typed(ctx.ccl_out, 0, min(step, b - a))
         acc = ctx.typed(ctx.ccl_out, step * item, min(step, b - a)) if pieces == 2 else scratch
+        op = ctx.call.op
 
         def reduce_share() -> None:  # one engine task: no event-loop round trip per piece
-            # A peer's share from ahcomm.alloc memory is mapped here and reduced where it lies;
-            # any other is read through the kernel into the scratch piece first.
-            shares = []
-            for link, p in peers:
-                at = ctx.posted(p, Signal.DATA, SC_DATA)
-                mapped = link.view(at + a * item, (b - a) * item)
-                shares.append((link, at, None if mapped is None else mapped.view(src.dtype)))
-            for lo in range(a, b, step):
-                hi = min(lo + step, b)
-                tmp = scratch[:hi - lo]
-                out = acc[:hi - lo] if streamed else dst[lo:hi]
-                for i, (link, at, mapped) in enumerate(shares):
-                    if mapped is None:
-                        link.read(tmp, at + lo * item, _inline)
-                    ufunc(src[lo:hi] if i == 0 else out, tmp if mapped is None else mapped[lo - a:hi - a], out=out)
-                if streamed:
-                    copy(dst[lo:hi], out, stream=True)
+            if not gates.begin(seq):  # the call already failed here: write nothing
+                return
+            try:
+                # A peer's share from ahcomm.alloc memory is mapped here and reduced where it lies;
+                # any other is read through the kernel into the scratch piece first.
+                shares = []
+                for p in others:
+                    link, at = ctx.links[p], ctx.posted(p, Signal.DATA, SC_DATA)
+                    mapped = link.view(at + a * item, (b - a) * item)
+                    shares.append((link, at, None if mapped is None else mapped.view(src.dtype)))
+                owners = _push.owners(ctx.links, gates, others)
+                outputs = [(link, ctx.posted(p, Signal.DATA, SC_RESULT)) for link, p, _ in owners]
+                word, unchecked = np.zeros(1, np.int64), 0
+                for lo in range(a, b, step):
+                    hi = min(lo + step, b)
+                    tmp = scratch[:hi - lo]
+                    out = acc[:hi - lo] if streamed else dst[lo:hi]
+                    for i, (link, at, mapped) in enumerate(shares):
+                        if mapped is None:
+                            link.read(tmp, at + lo * item, _inline)
+                        ufunc(src[lo:hi] if i == 0 else out, tmp if mapped is None else mapped[lo - a:hi - a], out=out)
+                    if unchecked <= 0:  # the owners' gates: first, then every CHECK_BYTES
+                        _push.check(gates, seq, op, r, owners, word)
+                        unchecked = _push.CHECK_BYTES
+                    for link, at in outputs:
+                        link.write(out, at + lo * item)
+                    unchecked -= out.nbytes
+                    if streamed:
+                        copy(dst[lo:hi], out, stream=True)
+            finally:
+                gates.done(seq)
 
         ctx.main.submit(lambda: ctx.main.memory(lambda _d: reduce_share(), dst[a:b]))
-        _exchange(ctx, Signal.DATA, SC_RESULT, value=dst.ctypes.data)
-        _fan_out(ctx, [job for p, (pa, pb) in enumerate(chunks) if p != r
-                       for job in self._sc_read(ctx, p, dst[pa:pb], SC_RESULT, pa * item)])
         _exchange(ctx, Signal.ACK, SC_DONE)
 
     _staged: ClassVar[dict[str, Callable[[Mesh, Context], None]]] = {
