@@ -7,7 +7,8 @@ consumes it (back to 0), a second post before the wait is one flag (an overrun),
 apart per (signal, index, seq parity); ``put`` then ``post`` (and ``flush`` where puts are not
 copies) means the bytes have landed, for 0, 1, odd, large and multi-frame sizes, in order;
 ``remote`` maps the peer's buffers exactly where ``mapped``; ``read`` copies the peer's memory
-where ``single_copy``, and ``write`` into it; ``fail`` wakes every waiter and every later wait raises.
+where ``single_copy``, and ``write`` into it (``read_word``: one int64); ``fail`` wakes every
+waiter and every later wait raises.
 """
 
 from __future__ import annotations
@@ -170,6 +171,20 @@ async def test_write_copies_into_the_peers_memory_where_single_copy(pair: LocalL
     np.testing.assert_array_equal(dst.view(np.uint8)[4:4 + src.nbytes - shift], src.view(np.uint8)[shift:])
     assert not dst[:1].any() and not dst.view(np.uint8)[4 + src.nbytes - shift:].any()  # nothing around it
     assert a.stats()["bytes_sent"] - sent == src.nbytes - shift
+
+
+async def test_read_word_reads_one_int64_of_the_peers_memory_where_single_copy(pair: LocalLinks) -> None:
+    a, _b = ends(pair)
+    words = np.array([7, -1 << 40, 3], np.int64)
+    if not a.single_copy:
+        with pytest.raises(NotImplementedError):
+            a.read_word(int(words.ctypes.data))
+        return
+    received = a.stats()["bytes_received"]
+    assert [a.read_word(int(words.ctypes.data) + 8 * i) for i in range(3)] == [7, -1 << 40, 3]
+    words[1] = 5  # read now, not a copy from before
+    assert a.read_word(int(words.ctypes.data) + 8) == 5
+    assert a.stats()["bytes_received"] == received  # a flag, not data
 
 
 async def test_fail_wakes_waiters_and_later_waits_raise(pair: LocalLinks) -> None:

@@ -314,6 +314,7 @@ class Executor:
 
     def abort(self, error: BaseException) -> None:
         self._error = error
+        self.gates.shut()  # no peer writes into this rank's output any more, nor its own push loop
         if self._ctx is not None:
             self._ctx.fail(error)
         self.progress.fail(error)

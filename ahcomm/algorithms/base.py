@@ -198,6 +198,8 @@ class Context:
                 await stream.synchronize()
             except Exception as exc:  # noqa: BLE001 - drain the others, then raise
                 first = first or exc
+        if first is None:  # aborted while a task ran (a copy engine's): the queue was dropped, not failed
+            first = self._error
         if first is not None:
             raise first
 

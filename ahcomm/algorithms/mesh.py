@@ -180,8 +180,8 @@ class Mesh(Algorithm):
         """Enqueue the call's path (single copy where it pays, else staged), then wait for it."""
         op = ctx.call.op
         path = self._single[op] if single_copy(ctx.call, ctx.topo) else self._staged[op]
-        path(self, ctx)
         try:
+            path(self, ctx)
             await ctx.synchronize()
         except BaseException:
             if ctx.gates is not None and path is Mesh._sc_all_reduce:  # peers may still write our output
@@ -339,7 +339,6 @@ class Mesh(Algorithm):
                     shares.append((link, at, None if mapped is None else mapped.view(src.dtype)))
                 owners = _push.owners(ctx.links, gates, others)
                 outputs = [(link, ctx.posted(p, Signal.DATA, SC_RESULT)) for link, p, _ in owners]
-                word, unchecked = np.zeros(1, np.int64), 0
                 for lo in range(a, b, step):
                     hi = min(lo + step, b)
                     tmp = scratch[:hi - lo]
@@ -348,12 +347,9 @@ class Mesh(Algorithm):
                         if mapped is None:
                             link.read(tmp, at + lo * item, _inline)
                         ufunc(src[lo:hi] if i == 0 else out, tmp if mapped is None else mapped[lo - a:hi - a], out=out)
-                    if unchecked <= 0:  # the owners' gates: first, then every CHECK_BYTES
-                        _push.check(gates, seq, op, r, owners, word)
-                        unchecked = _push.CHECK_BYTES
+                    _push.check(gates, seq, op, r, owners)  # the owners' gates, before each piece
                     for link, at in outputs:
                         link.write(out, at + lo * item)
-                    unchecked -= out.nbytes
                     if streamed:
                         copy(dst[lo:hi], out, stream=True)
             finally:

@@ -54,6 +54,19 @@ def write(pid: int, src: np.ndarray, addr: int) -> None:
     write_bounced(src, addr, functools.partial(_write, pid))
 
 
+def read_word(pid: int, addr: int) -> int:
+    """The int64 at ``addr`` (8-aligned) in process ``pid``: one ``process_vm_readv`` call."""
+    if _readv is None:
+        raise OSError("process_vm_readv is not available")
+    word = ctypes.c_int64()
+    local = _IoVec(ctypes.addressof(word), 8)
+    remote = _IoVec(addr, 8)
+    if _readv(pid, ctypes.byref(local), 1, ctypes.byref(remote), 1, 0) != 8:
+        err = ctypes.get_errno()
+        raise OSError(err, f"process_vm_readv from pid {pid} failed: {os.strerror(err)}")
+    return word.value
+
+
 def _read(pid: int, dst: np.ndarray, addr: int) -> None:
     _transfer(_readv, "process_vm_readv from", pid, dst, addr)
 

@@ -95,6 +95,9 @@ class InprocLink(MappedAccess, Link):
         self.bytes_sent += src.nbytes
         write_bounced(src, addr, _raw_write)
 
+    def read_word(self, addr: int) -> int:
+        return ctypes.c_int64.from_address(addr).value
+
     def view(self, addr: int, nbytes: int) -> np.ndarray | None:
         src = local_view(addr, nbytes)  # one process: the peer's alloc memory is this process's
         if src is not None:  # handed out to be read: counted as received

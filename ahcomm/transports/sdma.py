@@ -179,6 +179,12 @@ class SdmaLink(MappedAccess, ZmqLink):
         except OSError as exc:
             raise self._failed("writing", exc) from (None if exc.errno == errno.ESRCH else exc)
 
+    def read_word(self, addr: int) -> int:
+        try:
+            return _cma.read_word(self.pid, addr)
+        except OSError as exc:
+            raise self._failed("reading", exc) from (None if exc.errno == errno.ESRCH else exc)
+
     def _failed(self, doing: str, exc: OSError) -> Exception:
         """The peer's process is gone (often noticed here first), or its memory is not there."""
         if exc.errno == errno.ESRCH:
