@@ -408,3 +408,18 @@ async def test_a_broadcast_root_does_not_spin_through_the_readers_copies(monkeyp
     await run_inproc(3, lambda c: c.broadcast(x if c.rank == 1 else np.empty_like(x), 1, algorithm="direct"))
     assert sorted(seen) == [(0, True), (0, True), (1, False), (1, True), (2, True), (2, True)]
 
+
+
+@pytest.mark.parametrize("n, cores, broadcast, all_gather", [(2, 2, 2, 1), (3, 2, 1, 1), (4, 2, 1, 1), (5, 16, 2, 2),
+                                                             (9, 16, 2, 1)])
+def test_copy_threads_are_one_per_core_at_most_among_the_ranks_that_copy(
+        n: int, cores: int, broadcast: int, all_gather: int) -> None:
+    """A broadcast's n - 1 readers and an all_gather's n ranks each get a thread per core at most
+    (up to THREADS). The old rule gave a broadcast's readers two threads each until the host's
+    copy threads reached four times its cores: at 3-4 readers on 2 cores, 5-15% slower than one
+    (results/2026-11-27-push.md)."""
+    topo = Topology(rank=0, size=n, hosts=("h",) * n, link_kinds=("self",) + ("sdma",) * (n - 1), all_mapped=True,
+                    single_copy=True, mailbox=1 << 18)
+    for op, want in (("broadcast", broadcast), ("all_gather", all_gather)):
+        call = Call(op=op, seq=0, dtype=np.dtype(np.float32), count=1 << 24)
+        assert direct.threads(call, topo, cores, direct.THREADS) == want, op

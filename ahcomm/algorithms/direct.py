@@ -108,18 +108,20 @@ def max_threads() -> int:
 
 
 def threads(call: Call, topo: Topology, cores: int = 0, most: int = 0) -> int:
-    """Copy threads of one rank, up to ``max_threads()``. broadcast: as many as keep the host's
-    copy threads within four times its cores (a thread waiting on its pages leaves the core to
-    another; the root only waits). Measured on 2 cores, 3 interleaved rounds, medians: np=4 64 MiB
-    broadcast 3.99 GB/s with two threads per reader vs 3.62 with one (mesh, two engines: 3.70).
-    all_gather: every rank copies for the whole call, so a thread per core at most (np=2 on 2
-    cores, four rounds of 32 / 64 MiB: one thread 4.2-4.5 / 7.7-8.3 ms, two 4.5-5.9 / 8.3-8.9).
-    ``cores`` and ``most`` default to this process's cores and ``max_threads()``; the cost estimate
-    passes the model's (rank 0's) and ``THREADS``, so that every rank prices a call alike."""
+    """Copy threads of one rank, up to ``max_threads()``: a thread per core at most among the
+    ranks that copy at once (all_gather: all n; broadcast: the n - 1 readers, the root only
+    waits). Measured on 2 cores (interleaved rounds, us a call): all_gather np=2, 32 / 64 MiB,
+    one thread 4.2-4.5 / 7.7-8.3 ms, two 4.5-5.9 / 8.3-8.9; broadcast (three rounds each,
+    results/2026-11-27-push.md) np=2 32 / 64 MiB two threads 1954-2232 / 4635-5667 against one
+    2736-3105 / 8981-10234, np=3 one 3684-4080 / 9845-10908 against two 3813-4808 / 9935-10388,
+    np=4 one 7916-9080 / 18724-19003 against two 9048-9666 / 19592-20131 (two threads per reader
+    had measured ahead at np=4 64 MiB on 2026-11-26, 3.99 against 3.62 GB/s, and were kept for
+    as many readers as four times the cores until then). ``cores`` and ``most`` default to this
+    process's cores and ``max_threads()``; the cost estimate passes the model's (rank 0's) and
+    ``THREADS``, so that every rank prices a call alike."""
     cores, most = cores or _cores(), most or max_threads()
-    if call.op == "all_gather":
-        return max(1, min(most, cores // max(1, topo.size)))
-    return max(1, min(most, 4 * cores // max(1, topo.size - 1)))  # broadcast: n - 1 readers
+    copying = topo.size if call.op == "all_gather" else topo.size - 1
+    return max(1, min(most, cores // max(1, copying)))
 
 
 _cache = functools.cache(last_level_cache)  # bytes of this host's last-level cache (0: unknown); tests replace it
