@@ -33,7 +33,7 @@ import functools
 import importlib
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from types import ModuleType
 
 import numpy as np
@@ -136,14 +136,9 @@ def read_bounced(dst: np.ndarray, addr: int, read: Callable[[np.ndarray, int], N
     if not misaligned(_address(raw), addr, raw.nbytes):
         read(raw, addr)
         return
-    buf = _bounce_buffer()
-    base = _address(buf)
-    for lo in range(0, raw.nbytes, BOUNCE_BYTES):
-        hi = min(lo + BOUNCE_BYTES, raw.nbytes)
-        at = (addr + lo - base) % LINE
-        piece = buf[at:at + hi - lo]
+    for lo, piece in _bounce_pieces(raw.nbytes, addr):
         read(piece, addr + lo)
-        np.positive(piece, out=raw[lo:hi])
+        np.positive(piece, out=raw[lo:lo + piece.nbytes])
 
 
 def write_bounced(src: np.ndarray, addr: int, write: Callable[[np.ndarray, int], None]) -> None:
@@ -156,14 +151,19 @@ def write_bounced(src: np.ndarray, addr: int, write: Callable[[np.ndarray, int],
     if not misaligned(addr, _address(raw), raw.nbytes):
         write(raw, addr)
         return
+    for lo, piece in _bounce_pieces(raw.nbytes, addr):
+        np.positive(raw[lo:lo + piece.nbytes], out=piece)
+        write(piece, addr + lo)
+
+
+def _bounce_pieces(nbytes: int, addr: int) -> Iterator[tuple[int, np.ndarray]]:
+    """(offset, piece of this thread's bounce buffer at ``addr + offset``'s place in a cache
+    line) for each ``BOUNCE_BYTES`` of a bounced transfer of ``nbytes`` at ``addr``."""
     buf = _bounce_buffer()
     base = _address(buf)
-    for lo in range(0, raw.nbytes, BOUNCE_BYTES):
-        hi = min(lo + BOUNCE_BYTES, raw.nbytes)
+    for lo in range(0, nbytes, BOUNCE_BYTES):
         at = (addr + lo - base) % LINE
-        piece = buf[at:at + hi - lo]
-        np.positive(raw[lo:hi], out=piece)
-        write(piece, addr + lo)
+        yield lo, buf[at:at + min(BOUNCE_BYTES, nbytes - lo)]
 
 
 def _bounce_buffer() -> np.ndarray:

@@ -97,73 +97,49 @@ def _fake_kernel(calls: list[tuple[int, int, int]]):  # type: ignore[no-untyped-
 
 @pytest.mark.parametrize("nbytes", [100, 2048, 5000, 3 * BOUNCE_BYTES + 11])
 @pytest.mark.parametrize("offset", [0, 8, 16, 31, 32, 48, 72, 4040])
-def test_read_bounced_gives_the_kernel_aligned_pairs(nbytes: int, offset: int) -> None:
+@pytest.mark.parametrize("way", ["read", "write"])
+def test_bounced_transfers_give_the_kernel_aligned_pairs(nbytes: int, offset: int, way: str) -> None:
+    """read_bounced fills ``dst`` from ``src``'s address, write_bounced writes ``src`` to ``dst``'s:
+    either way the kernel (here a memmove) gets only pairs it copies fast."""
     src, dst = _pair(nbytes, offset, seed=offset)
-    calls: list[tuple[int, int, int]] = []
-    read_bounced(dst, src.ctypes.data, _fake_kernel(calls))
+    calls: list[tuple[int, int, int]] = []  # (destination, source, bytes) of each kernel call
+    if way == "read":
+        read_bounced(dst, src.ctypes.data, _fake_kernel(calls))
+    else:
+        def kernel(piece: np.ndarray, addr: int) -> None:  # a process_vm_writev of ``piece`` to ``addr``
+            calls.append((addr, piece.ctypes.data, piece.nbytes))
+            ctypes.memmove(addr, piece.ctypes.data, piece.nbytes)
+        write_bounced(src, dst.ctypes.data, kernel)
     assert np.array_equal(dst, src)
     if misaligned(dst.ctypes.data, src.ctypes.data, nbytes):
         assert len(calls) == -(-nbytes // BOUNCE_BYTES)
-        assert all(not misaligned(into, addr, size) and size <= BOUNCE_BYTES for into, addr, size in calls)
+        assert all(not misaligned(to, frm, size) and size <= BOUNCE_BYTES for to, frm, size in calls)
     else:
         assert calls == [(dst.ctypes.data, src.ctypes.data, nbytes)]
 
 
-def test_cma_read_hands_the_kernel_aligned_pairs(monkeypatch: pytest.MonkeyPatch) -> None:
-    """process_vm_readv copies each page with rep movsb: a misaligned read goes through the bounce
-    buffer (the old code handed the kernel the 16-byte misaligned pair)."""
+@pytest.mark.parametrize("way", ["read", "write"])
+def test_cma_hands_the_kernel_aligned_pairs(monkeypatch: pytest.MonkeyPatch, way: str) -> None:
+    """process_vm_readv / writev copy each page with rep movsb: a misaligned transfer goes through
+    the bounce buffer (the old read handed the kernel the 16-byte misaligned pair)."""
     seen: list[tuple[int, int]] = []
-    real = _cma._readv
+    name = "_readv" if way == "read" else "_writev"
+    real = getattr(_cma, name)
     if real is None:
-        pytest.skip("no process_vm_readv")
+        pytest.skip(f"no process_vm_{way}v")
 
     def spy(pid, local, nlocal, remote, nremote, flags):  # type: ignore[no-untyped-def]
         seen.append((local._obj.base, remote._obj.base))  # ctypes.byref(_IoVec)
         return real(pid, local, nlocal, remote, nremote, flags)
-    monkeypatch.setattr(_cma, "_readv", spy)
+    monkeypatch.setattr(_cma, name, spy)
     src, dst = _pair(200_000, 16)
     try:
-        _cma.read(os.getpid(), dst, src.ctypes.data)
+        if way == "read":
+            _cma.read(os.getpid(), dst, src.ctypes.data)
+        else:
+            _cma.write(os.getpid(), src, dst.ctypes.data)
     except OSError as exc:
-        pytest.skip(f"process_vm_readv on this process is not permitted here: {exc}")
-    assert np.array_equal(dst, src)
-    assert seen and all((local - remote) % LINE == 0 for local, remote in seen)
-
-
-@pytest.mark.parametrize("nbytes", [100, 2048, 5000, 3 * BOUNCE_BYTES + 11])
-@pytest.mark.parametrize("offset", [0, 8, 16, 31, 32, 48, 72, 4040])
-def test_write_bounced_gives_the_kernel_aligned_pairs(nbytes: int, offset: int) -> None:
-    src, dst = _pair(nbytes, offset, seed=offset)
-    calls: list[tuple[int, int, int]] = []
-
-    def kernel(piece: np.ndarray, addr: int) -> None:  # a process_vm_writev of ``piece`` to ``addr``
-        calls.append((addr, piece.ctypes.data, piece.nbytes))
-        ctypes.memmove(addr, piece.ctypes.data, piece.nbytes)
-
-    write_bounced(src, dst.ctypes.data, kernel)
-    assert np.array_equal(dst, src)
-    if misaligned(dst.ctypes.data, src.ctypes.data, nbytes):
-        assert len(calls) == -(-nbytes // BOUNCE_BYTES)
-        assert all(not misaligned(addr, frm, size) and size <= BOUNCE_BYTES for addr, frm, size in calls)
-    else:
-        assert calls == [(dst.ctypes.data, src.ctypes.data, nbytes)]
-
-
-def test_cma_write_lands_and_hands_the_kernel_aligned_pairs(monkeypatch: pytest.MonkeyPatch) -> None:
-    seen: list[tuple[int, int]] = []
-    real = _cma._writev
-    if real is None:
-        pytest.skip("no process_vm_writev")
-
-    def spy(pid, local, nlocal, remote, nremote, flags):  # type: ignore[no-untyped-def]
-        seen.append((local._obj.base, remote._obj.base))
-        return real(pid, local, nlocal, remote, nremote, flags)
-    monkeypatch.setattr(_cma, "_writev", spy)
-    src, dst = _pair(200_000, 16)
-    try:
-        _cma.write(os.getpid(), src, dst.ctypes.data)
-    except OSError as exc:
-        pytest.skip(f"process_vm_writev on this process is not permitted here: {exc}")
+        pytest.skip(f"process_vm_{way}v on this process is not permitted here: {exc}")
     assert np.array_equal(dst, src)
     assert seen and all((local - remote) % LINE == 0 for local, remote in seen)
 
