@@ -532,9 +532,9 @@ class Comm(ThreadsafeCalls, BlockedCollectives, ObjectCollectives, PointToPoint)
         memory of an earlier result its caller had dropped, and ``results_kept_bytes`` the bytes kept
         for that (``AHCOMM_RESULT_CACHE_MB``; shared with the communicator's parent and children).
         On sdma links, ``read_bytes``: bytes read of the peer's user buffers, ``mapped`` (out of its
-        ``ahcomm.alloc`` memory) and ``kernel`` (through ``process_vm_readv``; with the 8-byte gate
-        words mesh's all_reduce reads before it writes); ``write_bytes``: ``kernel``, bytes written
-        into the peer's user buffers (mesh's all_reduce pushes its reduced share, ``process_vm_writev``)."""
+        ``ahcomm.alloc`` memory) and ``kernel`` (through ``process_vm_readv``); ``write_bytes``:
+        ``kernel``, bytes written into the peer's user buffers (mesh's all_reduce pushes its reduced
+        share, ``process_vm_writev``)."""
         return {"rank": self.rank, "size": self.size, "seq": self._seq, "single_copy": self.topology.single_copy,
                 "paths": dict(self._executor.paths), "results_reused": self._results.reused,
                 "results_kept_bytes": self._results.kept_bytes,

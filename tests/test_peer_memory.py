@@ -362,9 +362,7 @@ def test_real_processes(n: int, who: str) -> None:
         assert mapped > 0, out
         kernels.append(kernel)
     if who == "all":
-        # every read of a peer's data came out of its mapped memory; only the gate words of mesh's
-        # all_reduce pushes (8 bytes each, ``algorithms._push``) through the kernel
-        assert all(k % 8 == 0 and k < 1024 for k in kernels), out
+        assert not any(kernels), out  # every read of a peer came out of its mapped memory
     else:
         assert any(kernels), out  # the odd ranks' ordinary arrays went through the kernel
     left = {p.name for p in SHM.glob("ahcomm-*-mem-*")} - before

@@ -12,6 +12,7 @@ import re
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 import ahcomm
@@ -179,3 +180,63 @@ def test_no_peer_writes_into_an_aborted_ranks_output_after_its_call_failed(n: in
     assert float(match.group(1)) < 1.5, out  # rank 0 raised soon after its abort
     for r in range(1, n):
         assert re.search(rf"\[{r}\] FAILED (PeerFailure|CommClosedError)", out), out
+
+
+async def test_a_run_aborted_while_a_task_runs_raises_the_abort() -> None:
+    """An abort drops the stream's queue but cannot stop the task in flight (a copy engine's):
+    once that task ends the run used to return as if it had succeeded (helper-50's unit case)."""
+    from ahcomm._stream import Stream
+    from ahcomm.algorithms.base import Context
+    from ahcomm.algorithms.call import Call, Topology
+
+    main = Stream("main", inline=True)
+    topo = Topology(rank=0, size=2, hosts=("h", "h"), link_kinds=("self", "sdma"), all_mapped=True,
+                    single_copy=True)
+    x = np.zeros(4, np.float32)
+    ctx = Context(call=Call(op="all_reduce", seq=0, dtype=np.dtype(np.float32), count=4), topo=topo, links={},
+                  src=x, dst=x, ccl_in=np.zeros(64, np.uint8), ccl_out=np.zeros(64, np.uint8), half_offset=0,
+                  main=main, subs=[], ufunc=np.add)
+    in_flight: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    ran: list[str] = []
+    main.submit(lambda: in_flight)
+    main.submit(lambda: ran.append("dropped"))
+    error = ahcomm.CommClosedError("aborted")
+
+    async def abort() -> None:
+        await asyncio.sleep(0.01)
+        ctx.fail(error)
+        main.abort(error)
+        in_flight.set_result(None)
+    task = asyncio.ensure_future(abort())
+    with pytest.raises(ahcomm.CommClosedError, match="aborted"):
+        await ctx.synchronize()
+    await task
+    assert ran == []
+
+
+async def test_an_abort_shuts_the_gate_and_mesh_reads_it_before_every_piece(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``Comm.abort`` closes this rank's gate at once (its own push loop and its writers stop at
+    their next piece), and mesh's push reads the gates before each piece it writes, not once per
+    batch of pieces (an earlier version read them every 2 MiB)."""
+    from ahcomm.algorithms import mesh
+
+    checks: list[int] = []
+    real = _push.check
+    monkeypatch.setattr(_push, "check", lambda *a, **k: (checks.append(1), real(*a, **k))[1])
+    comms = await ahcomm.init_inprocess(2, buffsize=1 << 20)
+    try:
+        count = 5 * (mesh.PUSH_BYTES // 4) + 3  # 5 pieces and a bit of a sixth, over both shares
+        xs = [np.full(count, r + 1, np.float32) for r in range(2)]
+        outs = await asyncio.gather(*(c.all_reduce(x, algorithm="mesh") for c, x in zip(comms, xs)))
+        assert all(np.all(out == 3) for out in outs)
+        pieces = sum(-(-(b - a) * 4 // mesh.PUSH_BYTES) for a, b in ((0, count // 2), (count // 2, count)))
+        assert len(checks) == pieces, (len(checks), pieces)
+        gates = [c._executor.gates for c in comms]
+        assert all(int(g.words[GATE]) != 0 for g in gates)  # open for the last call
+        comms[0].abort("test")
+        assert int(gates[0].words[GATE]) == 0
+    finally:
+        for c in comms:
+            c.abort("done")
+        for c in comms:
+            await c.close()

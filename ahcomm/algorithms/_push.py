@@ -150,8 +150,9 @@ async def settle(gates: Gates, links: Mapping[int, DataLink], seq: int, op: str)
         if not running and not pending:
             break
         if time.monotonic() >= deadline:
-            log.warning("%s #%d failed here; after %.1f s %s not released its output (a peer that has not "
-                        "reached its writes finds the gate closed)", op, seq, RELEASE_WAIT,
+            log.warning("%s #%d failed here; after %.1f s %s not released its output: a piece under way "
+                        "may still land in it (a peer that has not reached its writes finds the gate closed)",
+                        op, seq, RELEASE_WAIT,
                         f"ranks {sorted(pending)} had" if pending else "this rank's own push had")
             break
         try:
