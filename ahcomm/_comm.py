@@ -419,8 +419,11 @@ class Comm(ThreadsafeCalls, BlockedCollectives, ObjectCollectives, PointToPoint)
             except asyncio.CancelledError as exc:
                 task = asyncio.current_task()
                 if task is not None and task.cancelling():  # the worker itself is being stopped
-                    if not job.future.done():
-                        job.future.cancel()
+                    if not job.future.done():  # a failed communicator's error, not a cancellation the
+                        if health.error is not None:  # caller could take for its own
+                            job.future.set_exception(health.error)
+                        else:
+                            job.future.cancel()
                     raise
                 health.job_failed(job, exc)
             except BaseException as exc:  # noqa: BLE001 - delivered to the caller

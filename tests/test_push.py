@@ -161,7 +161,7 @@ async def test_settle_keeps_asking_a_peer_it_cannot_read_and_gives_up_after_rele
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("n, engine, slow", [(2, "on", "peers"), (2, "off", "peers"), (3, "on", "peers"),
-                                              (2, "on", "all"), (2, "off", "close")])
+                                              (2, "on", "all"), (2, "off", "close"), (2, "on", "close")])
 def test_no_peer_writes_into_an_aborted_ranks_output_after_its_call_failed(n: int, engine: str, slow: str) -> None:
     """Rank 0 aborts (``close``: leaves ``async with comm`` on an error) while slowed writes into its
     output go on; its call must raise soon and its output stay as it is after that. Without the
@@ -169,7 +169,8 @@ def test_no_peer_writes_into_an_aborted_ranks_output_after_its_call_failed(n: in
     fail the call), rank 0's output went on changing after its call had raised (2.5-2.8 million
     elements of 8 million); with rank 0's own loop slowed too (``all``), the call returned as if
     it had succeeded (``Context.synchronize``), its output still changing; on ``close`` the
-    worker's cancellation cut the wait short (helper-49's reproducers)."""
+    worker's cancellation cut the wait short (helper-49's reproducers), and handed the pending
+    call a CancelledError."""
     proc = run_job(n, str(HERE / "mp_push_abort.py"), timeout=120, env={
         "PYTHONPATH": f"{HERE}{os.pathsep}{HERE.parent}", "AHCOMM_TRANSPORT": "sdma", "AHCOMM_COPY_ENGINE": engine,
         "SLOW": slow})
@@ -180,6 +181,8 @@ def test_no_peer_writes_into_an_aborted_ranks_output_after_its_call_failed(n: in
     assert float(match.group(1)) < 1.5, out  # rank 0 raised soon after its abort
     for r in range(1, n):
         assert re.search(rf"\[{r}\] FAILED (PeerFailure|CommClosedError)", out), out
+    if slow == "close":  # the pending call gets the communicator's error, not a CancelledError (helper-50)
+        assert "[0] CALL CommClosedError" in out, out
 
 
 async def test_a_run_aborted_while_a_task_runs_raises_the_abort() -> None:
