@@ -3,7 +3,8 @@
 Mesh's single-copy all_reduce pushes: each rank writes every piece of its reduced share into
 each peer's output (``DataLink.write``: ``process_vm_writev``) while the piece is still in its
 cache, instead of each peer reading the share out of memory afterwards. On the Intel VM, a
-2-rank in-place all_reduce of 64 MiB: 9.0-10.0 ms a call against 11.1-15.3 with reads
+2-rank in-place all_reduce of 64 MiB, interleaved with the reads over an afternoon whose host
+slowed: 9.0-10.0 ms a call against 11.1-15.3, later 12.2-12.3 against 12.8-13.4
 (``benchmarks/results/2026-11-27-push.md``).
 
 A rank's output is then written by its peers, so a call that fails or is cancelled on one rank
