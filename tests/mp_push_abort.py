@@ -9,8 +9,10 @@ peers' outputs) during which rank 0 fails, while writes into its output go on. S
 - ``close``: the others' writes take 40 ms more; rank 0 leaves ``async with comm:`` on an
   error 30 ms into the call (abort, then close, which stops the worker).
 
-Rank 0 prints "STABLE <seconds until its call ended>" if its output did not change in the
-0.4 s after its call failed, else "CHANGED <elements>" (or "NO FAILURE"); the others their error.
+Rank 0 prints how many elements of its output no peer had written when its call ended
+("UNWRITTEN <elements>": the writes were cut short, not over before the failure), then
+"STABLE <seconds until its call ended>" if its output did not change in the 0.4 s after, else
+"CHANGED <elements>" (or "NO FAILURE"); the others their error.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ def slow_writes(delay: float) -> None:
 
 def report(x: np.ndarray, took: float) -> None:
     before = x.copy()
+    os.write(1, f"UNWRITTEN {int(np.count_nonzero(x == 1))}\n".encode())  # rank 0's input: no peer's share there yet
     time.sleep(0.4)
     changed = int(np.count_nonzero(x != before))
     os.write(1, (f"CHANGED {changed}\n" if changed else f"STABLE {took:.3f}\n").encode())

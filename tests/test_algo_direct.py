@@ -416,8 +416,8 @@ def test_copy_threads_are_one_per_core_at_most_among_the_ranks_that_copy(
         n: int, cores: int, broadcast: int, all_gather: int) -> None:
     """A broadcast's n - 1 readers and an all_gather's n ranks each get a thread per core at most
     (up to THREADS). The old rule gave a broadcast's readers two threads each until the host's
-    copy threads reached four times its cores: at 3-4 readers on 2 cores, 5-15% slower than one
-    (results/2026-11-27-push.md)."""
+    copy threads reached four times its cores: at 3 readers on 2 cores, slower than one from
+    16 MiB, level at 2 readers (results/2026-11-27-push.md)."""
     topo = Topology(rank=0, size=n, hosts=("h",) * n, link_kinds=("self",) + ("sdma",) * (n - 1), all_mapped=True,
                     single_copy=True, mailbox=1 << 18)
     for op, want in (("broadcast", broadcast), ("all_gather", all_gather)):

@@ -157,7 +157,7 @@ async def test_read_copies_the_peers_memory_where_single_copy(pair: LocalLinks) 
     np.testing.assert_array_equal(dst, src)
 
 
-@pytest.mark.parametrize("shift", [0, 8])  # 8: a misaligned pair, written through the bounce buffer
+@pytest.mark.parametrize("shift", [0, 8])  # two relative alignments (the bounce itself: test_memcopy)
 async def test_write_copies_into_the_peers_memory_where_single_copy(pair: LocalLinks, shift: int) -> None:
     a, _b = ends(pair)
     src = np.arange(5000, dtype=np.uint32)

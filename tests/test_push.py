@@ -86,14 +86,19 @@ def test_a_loop_that_has_not_begun_never_begins_once_its_call_failed() -> None:
     assert gates.released(5)
 
 
-@pytest.mark.parametrize("seq", [0, 7])
-async def test_settle_waits_for_a_live_writers_release(seq: int) -> None:
+def settling(seq: int) -> tuple[Gates, Gates, asyncio.Task[None]]:
+    """An owner whose call ``seq`` failed, settling, and a writer (rank 1) still in its loop."""
     owner, writer = Gates(), Gates()
     owner.open(seq)
     writer.open(seq)
     assert writer.begin(seq)
     owner.expose(seq, {1: writer.address})
-    task = asyncio.create_task(_push.settle(owner, {1: WordLink(1)}, seq, "all_reduce"))
+    return owner, writer, asyncio.create_task(_push.settle(owner, {1: WordLink(1)}, seq, "all_reduce"))
+
+
+@pytest.mark.parametrize("seq", [0, 7])
+async def test_settle_waits_for_a_live_writers_release(seq: int) -> None:
+    owner, writer, task = settling(seq)
     await asyncio.sleep(0.05)
     assert not task.done()  # the writer is still in its loop
     assert int(owner.words[GATE]) == 0  # closed: the writer stops at its next piece
@@ -115,12 +120,7 @@ async def test_settle_waits_for_this_ranks_own_running_loop() -> None:
 async def test_a_cancellation_does_not_cut_settle_short() -> None:
     """``Comm.close`` cancels its worker while a failed call settles: the old settle ended there,
     with a peer still writing into the output."""
-    owner, writer = Gates(), Gates()
-    owner.open(1)
-    writer.open(1)
-    assert writer.begin(1)
-    owner.expose(1, {1: writer.address})
-    task = asyncio.create_task(_push.settle(owner, {1: WordLink(1)}, 1, "all_reduce"))
+    _owner, writer, task = settling(1)
     await asyncio.sleep(0.02)
     task.cancel()
     await asyncio.sleep(0.05)
@@ -179,6 +179,8 @@ def test_no_peer_writes_into_an_aborted_ranks_output_after_its_call_failed(n: in
     match = re.search(r"\[0\] STABLE ([\d.]+)", out)
     assert match is not None, out
     assert float(match.group(1)) < 1.5, out  # rank 0 raised soon after its abort
+    unwritten = re.search(r"\[0\] UNWRITTEN (\d+)", out)
+    assert unwritten is not None and int(unwritten.group(1)) > 0, out  # the peers' writes were cut short
     for r in range(1, n):
         assert re.search(rf"\[{r}\] FAILED (PeerFailure|CommClosedError)", out), out
     if slow == "close":  # the pending call gets the communicator's error, not a CancelledError (helper-50)

@@ -117,8 +117,9 @@ class Mesh(Algorithm):
     def resources(self, call: Call, topo: Topology, half_bytes: int) -> Resources:
         if call.op in WHOLE_OPS:  # never sliced: reads from up to three peers at once
             return Resources(substreams=max(1, min(topo.size - 1, 3)))
-        if single_copy(call, topo):  # user buffers are read in place: no slicing
-            return Resources(substreams=max(2, min(topo.size - 1, 3)), max_count=None)
+        if single_copy(call, topo):  # user buffers are read in place: no slicing; all_reduce's one task
+            subs = 0 if call.op == "all_reduce" else max(2, min(topo.size - 1, 3))  # needs no sub-stream
+            return Resources(substreams=subs, max_count=None)
         per = half_bytes // call.itemsize
         if call.op == "reduce_scatter":
             per //= topo.size
@@ -262,14 +263,14 @@ class Mesh(Algorithm):
                 _exchange(ctx, Signal.ACK, peers=[root], waiters=[])
 
     # -- single copy: read peers' user buffers directly -------------------------------------------
-    def _sc_read(self, ctx: Context, peer: int, dst: np.ndarray, index: int, offset: int = 0) -> list[Job]:
+    def _sc_read(self, ctx: Context, peer: int, dst: np.ndarray, index: int) -> list[Job]:
         """Read jobs for ``dst`` from ``peer``; big reads become two halves for two engines."""
         if dst.nbytes < SPLIT_BYTES:
-            return [lambda stream: ctx.read(stream, peer, dst, Signal.DATA, index, offset)]
+            return [lambda stream: ctx.read(stream, peer, dst, Signal.DATA, index)]
         half = dst.size // 2
         cut = half * ctx.call.itemsize
-        return [lambda stream: ctx.read(stream, peer, dst[:half], Signal.DATA, index, offset),
-                lambda stream: ctx.read(stream, peer, dst[half:], Signal.DATA, index, offset + cut)]
+        return [lambda stream: ctx.read(stream, peer, dst[:half], Signal.DATA, index),
+                lambda stream: ctx.read(stream, peer, dst[half:], Signal.DATA, index, cut)]
 
     def _sc_all_gather(self, ctx: Context) -> None:
         n, r, src, dst = ctx.size, ctx.rank, ctx.src, ctx.dst

@@ -30,15 +30,19 @@ class _IoVec(ctypes.Structure):
 
 
 _libc = ctypes.CDLL(None, use_errno=True)
-_readv = getattr(_libc, "process_vm_readv", None)
-if _readv is not None:
-    _readv.argtypes = [ctypes.c_int, ctypes.POINTER(_IoVec), ctypes.c_ulong, ctypes.POINTER(_IoVec),
+
+
+def _syscall(name: str) -> Any:
+    """``process_vm_readv`` or ``process_vm_writev`` (the same signature), or None."""
+    fn = getattr(_libc, name, None)
+    if fn is not None:
+        fn.argtypes = [ctypes.c_int, ctypes.POINTER(_IoVec), ctypes.c_ulong, ctypes.POINTER(_IoVec),
                        ctypes.c_ulong, ctypes.c_ulong]
-    _readv.restype = ctypes.c_ssize_t
-_writev = getattr(_libc, "process_vm_writev", None)
-if _writev is not None:
-    _writev.argtypes = _readv.argtypes if _readv is not None else None
-    _writev.restype = ctypes.c_ssize_t
+        fn.restype = ctypes.c_ssize_t
+    return fn
+
+
+_readv, _writev = _syscall("process_vm_readv"), _syscall("process_vm_writev")
 
 
 def read(pid: int, dst: np.ndarray, addr: int) -> None:
@@ -62,8 +66,7 @@ def read_word(pid: int, addr: int) -> int:
     local = _IoVec(ctypes.addressof(word), 8)
     remote = _IoVec(addr, 8)
     if _readv(pid, ctypes.byref(local), 1, ctypes.byref(remote), 1, 0) != 8:
-        err = ctypes.get_errno()
-        raise OSError(err, f"process_vm_readv from pid {pid} failed: {os.strerror(err)}")
+        raise _failed("process_vm_readv from", pid)
     return word.value
 
 
@@ -84,9 +87,13 @@ def _transfer(call: Any, what: str, pid: int, local_array: np.ndarray, addr: int
         remote = _IoVec(addr + done, total - done)
         got = call(pid, ctypes.byref(local), 1, ctypes.byref(remote), 1, 0)
         if got <= 0:
-            err = ctypes.get_errno()
-            raise OSError(err, f"{what} pid {pid} failed: {os.strerror(err)}")
+            raise _failed(what, pid)
         done += got
+
+
+def _failed(what: str, pid: int) -> OSError:
+    err = ctypes.get_errno()
+    return OSError(err, f"{what} pid {pid} failed: {os.strerror(err)}")
 
 
 def probe(pid: int, addr: int, nbytes: int = 64) -> bool:
