@@ -88,6 +88,11 @@ def _address(array: np.ndarray) -> int:
     return array.ctypes.data
 
 
+def at_address(address: int, nbytes: int) -> np.ndarray:
+    """This process's ``nbytes`` at ``address`` as a uint8 array (which does not keep them alive)."""
+    return np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(address)) if nbytes else np.empty(0, np.uint8)
+
+
 def _flat(array: np.ndarray) -> np.ndarray:
     return array.reshape(-1).view(np.uint8)
 

@@ -24,18 +24,18 @@ import time
 import numpy as np
 
 import ahcomm
-from ahcomm.transports.sdma import SdmaLink
+from ahcomm.transports.sdma import _KernelPipe
 
 DELAYS = {"peers": (0.0, 0.002), "all": (0.001, 0.004), "close": (0.0, 0.04)}
 
 
-def slow_writes(delay: float) -> None:
-    write = SdmaLink.write
+def slow_writes(delay: float) -> None:  # the push loop's writes (its links' pipes)
+    write = _KernelPipe.write
 
-    def slow(self: SdmaLink, src: np.ndarray, addr: int) -> None:
+    def slow(self: _KernelPipe, local: int, remote: int, nbytes: int) -> None:
         time.sleep(delay)
-        write(self, src, addr)
-    SdmaLink.write = slow  # type: ignore[method-assign]
+        write(self, local, remote, nbytes)
+    _KernelPipe.write = slow  # type: ignore[method-assign]
 
 
 def report(x: np.ndarray, took: float) -> None:

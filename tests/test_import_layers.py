@@ -128,7 +128,7 @@ def test_the_communicator_and_the_algorithms_package_form_no_cycle() -> None:
 
 # what an algorithm may name of the transport layer: the data plane and the signals (the
 # executor, which runs them, holds the connections and attaches the communicator's events)
-DATA_PLANE = {"DataLink", "Mailboxes", "Signal", "MemoryRunner"}
+DATA_PLANE = {"DataLink", "Mailboxes", "Signal", "MemoryRunner", "Pipe"}
 CONNECTION_LEVEL = {"attach", "events", "send_control", "send_abort", "send_message", "message", "child",
                     "describe_buffers", "receiver", "stats", "on_abort", "on_fingerprint", "on_control",
                     "on_lost", "on_broken"}

@@ -7,7 +7,8 @@ consumes it (back to 0), a second post before the wait is one flag (an overrun),
 apart per (signal, index, seq parity); ``put`` then ``post`` (and ``flush`` where puts are not
 copies) means the bytes have landed, for 0, 1, odd, large and multi-frame sizes, in order;
 ``remote`` maps the peer's buffers exactly where ``mapped``; ``read`` copies the peer's memory
-where ``single_copy``, and ``write`` into it (``read_word``: one int64); ``fail`` wakes every
+where ``single_copy``, and ``write`` into it (``read_word``: one int64; ``pipe``: both by address,
+piece after piece); ``fail`` wakes every
 waiter and every later wait raises.
 """
 
@@ -185,6 +186,30 @@ async def test_read_word_reads_one_int64_of_the_peers_memory_where_single_copy(p
     words[1] = 5  # read now, not a copy from before
     assert a.read_word(int(words.ctypes.data) + 8) == 5
     assert a.stats()["bytes_received"] == received  # a flag, not data
+
+
+@pytest.mark.parametrize("shift", [0, 8])  # 8: a pair whose copy the kernel would run slowly (bounced)
+async def test_pipe_reads_and_writes_the_peers_memory_by_address_where_single_copy(pair: LocalLinks,
+                                                                                    shift: int) -> None:
+    a, _b = ends(pair)
+    pipe = a.pipe()
+    if not a.single_copy:
+        assert pipe is None
+        return
+    assert pipe is not None
+    theirs = np.arange(6000, dtype=np.uint32)  # the peer's memory (one process, one address space)
+    mine = np.zeros(7000, np.uint32)
+    nbytes = 5000 * 4 - shift
+    received, sent = a.stats()["bytes_received"], a.stats()["bytes_sent"]
+    pipe.read(int(mine.ctypes.data) + 4 + shift, int(theirs.ctypes.data) + 4, nbytes)
+    np.testing.assert_array_equal(mine.view(np.uint8)[4 + shift:4 + shift + nbytes],
+                                  theirs.view(np.uint8)[4:4 + nbytes])
+    assert not mine.view(np.uint8)[:4 + shift].any() and not mine.view(np.uint8)[4 + shift + nbytes:].any()
+    mine.view(np.uint8)[:] = 7
+    pipe.write(int(mine.ctypes.data), int(theirs.ctypes.data) + shift, nbytes)
+    assert np.all(theirs.view(np.uint8)[shift:shift + nbytes] == 7) and theirs[-1] == 5999
+    stats = a.stats()
+    assert (stats["bytes_received"] - received, stats["bytes_sent"] - sent) == (nbytes, nbytes)
 
 
 async def test_fail_wakes_waiters_and_later_waits_raise(pair: LocalLinks) -> None:

@@ -16,6 +16,9 @@ and, on RDMA-like links, DataAck) and gives access to the peer's CCL buffers:
 * ``view(addr, nbytes)`` is the peer's memory at ``addr`` mapped here, where the peer made it
   with ``ahcomm.alloc`` (else None): an algorithm reduces straight out of it, and ``read``
   copies from it instead of going through the kernel.
+* ``write(src, addr)`` is ``read``'s other way (into the peer's memory, now); ``read_word(addr)``
+  reads one int64 of the peer's (a flag); ``pipe()`` does ``read`` and ``write`` by address for
+  a loop of many pieces (``Pipe``).
 * ``send_message(key, meta, data)`` / ``message(key)`` carry point-to-point messages
   (send/recv), outside the collectives' buffers: a message is matched by its key
   (user tag, per-pair sequence number), whether it arrives before or after it is asked for.
@@ -53,7 +56,7 @@ import numpy as np
 
 from .._buffers import CclBuffers
 from .._errors import TransportError
-from .._memcopy import copy
+from .._memcopy import at_address, copy
 from .._notify import Notify
 
 
@@ -73,6 +76,15 @@ class MemoryRunner(Protocol):
     """Runs a numpy memory op, inline or on a copy engine (``Stream.memory``)."""
 
     def __call__(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> "Awaitable[Any] | None": ...
+
+
+class Pipe(Protocol):
+    """Copies with a peer's memory by address, piece after piece, from one thread (a push loop):
+    ``DataLink.read``/``write`` without their per-call work (arrays, views, bounce checks made
+    anew), and counted in the link's stats as theirs are."""
+
+    def read(self, local: int, remote: int, nbytes: int) -> None: ...  # peer's ``remote`` -> ``local`` here
+    def write(self, local: int, remote: int, nbytes: int) -> None: ...  # ``local`` here -> peer's ``remote``
 
 
 ProgressHook = Callable[[int, int], None]  # (peer, seq of the peer's latest message)
@@ -163,6 +175,7 @@ class DataLink(Protocol):
     def read(self, dst: np.ndarray, addr: int, run: MemoryRunner) -> Awaitable[Any] | None: ...
     def write(self, src: np.ndarray, addr: int) -> None: ...
     def read_word(self, addr: int) -> int: ...
+    def pipe(self) -> Pipe | None: ...
     def view(self, addr: int, nbytes: int) -> np.ndarray | None: ...
     async def flush(self) -> None: ...
     def check_fingerprint(self, seq: int, fingerprint: int) -> None: ...
@@ -342,6 +355,11 @@ class Link(ABC):
         a flag of the peer's, not data (not counted as bytes received)."""
         raise NotImplementedError(f"{self.kind} links cannot read a peer's memory")
 
+    def pipe(self) -> Pipe | None:
+        """A ``Pipe`` for one thread's loop of reads and writes (where ``single_copy``), else None.
+        This one goes through ``read`` and ``write``; a transport overrides it with a leaner one."""
+        return _ArrayPipe(self) if self.single_copy else None
+
     def view(self, addr: int, nbytes: int) -> np.ndarray | None:
         """The peer's memory at ``addr`` (``nbytes``, uint8) mapped here, where the peer allocated
         it with ``ahcomm.alloc`` and this link can map it; else None."""
@@ -487,6 +505,23 @@ class Link(ABC):
             "bytes_received": self.bytes_received,
             "signals_sent": self.signals_sent,
         }
+
+
+class _ArrayPipe:
+    """``Pipe`` through a link's ``read`` and ``write`` (arrays made at each call)."""
+
+    def __init__(self, link: Link) -> None:
+        self._link = link
+
+    def read(self, local: int, remote: int, nbytes: int) -> None:
+        self._link.read(at_address(local, nbytes), remote, _now)
+
+    def write(self, local: int, remote: int, nbytes: int) -> None:
+        self._link.write(at_address(local, nbytes), remote)
+
+
+def _now(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
+    fn(*args, **kwargs)
 
 
 class MappedAccess:

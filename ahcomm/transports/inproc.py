@@ -44,6 +44,21 @@ def _raw_write(src: np.ndarray, addr: int) -> None:
     ctypes.memmove(addr, src.ctypes.data, src.nbytes)
 
 
+class _MemmovePipe:
+    """``Pipe`` in one address space."""
+
+    def __init__(self, link: "InprocLink") -> None:
+        self._link = link
+
+    def read(self, local: int, remote: int, nbytes: int) -> None:
+        self._link.bytes_received += nbytes
+        ctypes.memmove(local, remote, nbytes)
+
+    def write(self, local: int, remote: int, nbytes: int) -> None:
+        self._link.bytes_sent += nbytes
+        ctypes.memmove(remote, local, nbytes)
+
+
 class InprocLink(MappedAccess, Link):
     kind = "inproc"
     single_copy = True  # one address space: a read is a memmove
@@ -97,6 +112,9 @@ class InprocLink(MappedAccess, Link):
 
     def read_word(self, addr: int) -> int:
         return ctypes.c_int64.from_address(addr).value
+
+    def pipe(self) -> _MemmovePipe:
+        return _MemmovePipe(self)
 
     def view(self, addr: int, nbytes: int) -> np.ndarray | None:
         src = local_view(addr, nbytes)  # one process: the peer's alloc memory is this process's

@@ -18,13 +18,44 @@ import zmq
 
 from .._buffers import CclBuffers, SharedRegion
 from .._errors import ConnectError, PeerFailure, TransportError
-from .._memcopy import copy
+from .._memcopy import at_address, copy, misaligned
 from .._peer_memory import PeerMemory
 from . import _cma
 from ._notify_ring import Outbox
 from ._wire import Malformed
 from ._zmq import Channel, ZmqLink
 from .base import MappedAccess, MemoryRunner, ProgressHook, Signal
+
+
+class _KernelPipe:
+    """``Pipe`` through the kernel (``_cma.Pipe``); a misaligned pair goes the link's way (bounced)."""
+
+    def __init__(self, link: "SdmaLink") -> None:
+        self._link, self._pipe = link, _cma.Pipe(link.pid)
+
+    def read(self, local: int, remote: int, nbytes: int) -> None:
+        link = self._link
+        link.bytes_received += nbytes
+        link.kernel_read_bytes += nbytes
+        try:
+            if misaligned(local, remote, nbytes):
+                _cma.read(link.pid, at_address(local, nbytes), remote)
+            else:
+                self._pipe.read(local, remote, nbytes)
+        except OSError as exc:
+            raise link._failed("reading", exc) from (None if exc.errno == errno.ESRCH else exc)
+
+    def write(self, local: int, remote: int, nbytes: int) -> None:
+        link = self._link
+        link.bytes_sent += nbytes
+        link.kernel_write_bytes += nbytes
+        try:
+            if misaligned(remote, local, nbytes):
+                _cma.write(link.pid, at_address(local, nbytes), remote)
+            else:
+                self._pipe.write(local, remote, nbytes)
+        except OSError as exc:
+            raise link._failed("writing", exc) from (None if exc.errno == errno.ESRCH else exc)
 
 
 class SdmaLink(MappedAccess, ZmqLink):
@@ -148,6 +179,9 @@ class SdmaLink(MappedAccess, ZmqLink):
         root = self.root
         memory = root._memory if isinstance(root, SdmaLink) else None
         return None if memory is None else memory.view(addr, nbytes)
+
+    def pipe(self) -> _KernelPipe | None:
+        return _KernelPipe(self) if self.single_copy else None
 
     def view(self, addr: int, nbytes: int) -> np.ndarray | None:
         src = self._view(addr, nbytes)
