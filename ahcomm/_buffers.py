@@ -175,11 +175,24 @@ def reclaim_stale(directory: str = SHM_DIR, pids: Collection[int] | None = None)
     return removed
 
 
+WORDS = 8  # int64 flags after a CCL_Out's bytes (``Region.words``)
+
+
+def _own_words(words: np.ndarray) -> np.ndarray:
+    """``words`` with word 0 set to their own address here: a peer that maps them finds where a
+    word its owner names by address lies (``MappedAccess.words``)."""
+    words[0] = words.ctypes.data
+    return words
+
+
 class Region:
-    """A byte region with a uint8 numpy view."""
+    """A byte region with a uint8 numpy view, and ``words``: flags of the owner after the bytes,
+    which peers that map the region see (mesh's push gates, ``algorithms._push``; word 0 holds
+    the words' own address in the owner's process), or a private stand-in."""
 
     name: str = ""
     array: np.ndarray
+    words: np.ndarray = np.zeros(0, np.int64)
 
     def close(self) -> None:  # pragma: no cover - overridden where there is work
         pass
@@ -194,6 +207,7 @@ class LocalRegion(Region):
 
     def __init__(self, nbytes: int, *, prefault: bool = True) -> None:
         self.array = np.zeros(nbytes, dtype=np.uint8)
+        self.words = _own_words(np.zeros(WORDS, np.int64))
         if prefault:
             self.array.fill(0)
 
@@ -202,7 +216,7 @@ class SharedRegion(Region):
     """A mapping of /dev/shm/<name>; created by its owner, attached by peers."""
 
     def __init__(self, name: str, nbytes: int, *, create: bool, local_ranks: int = 1, prefault: bool = True,
-                 readonly: bool = False) -> None:
+                 readonly: bool = False, words: bool = False) -> None:
         self.name = name
         self._path = os.path.join(SHM_DIR, name)
         flags = (os.O_RDONLY if readonly and not create else os.O_RDWR) | (os.O_CREAT | os.O_EXCL if create else 0)
@@ -216,15 +230,20 @@ class SharedRegion(Region):
             raise ConnectError(f"a peer's CCL buffer {self._path} (created by pid "
                                f"{match.group(1) if match else '?'}) is gone before this rank mapped it: removed "
                                f"from {SHM_DIR} during init (a clean-up of /dev/shm, or its rank died)") from None
+        at = -(-nbytes // 8) * 8  # the owner's flags after the bytes, 8-aligned
+        extra = at - nbytes + WORDS * 8 if words else 0
         try:
             if create:
                 guard(self)
-                self._reserve(fd, nbytes, local_ranks)
-            elif os.fstat(fd).st_size < nbytes:
-                raise ConnectError(f"shared region {self._path} is smaller than {nbytes} bytes")
+                self._reserve(fd, nbytes + extra, local_ranks)
+            else:
+                size = os.fstat(fd).st_size
+                if size < nbytes:
+                    raise ConnectError(f"shared region {self._path} is smaller than {nbytes} bytes")
+                extra = extra if size >= nbytes + extra else 0  # an owner that made none
             populate = getattr(mmap, "MAP_POPULATE", 0) if prefault else 0
             prot = mmap.PROT_READ | (0 if readonly and not create else mmap.PROT_WRITE)
-            self._map: mmap.mmap | None = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED | populate, prot=prot)
+            self._map: mmap.mmap | None = mmap.mmap(fd, nbytes + extra, flags=mmap.MAP_SHARED | populate, prot=prot)
         except BaseException:
             if create:
                 self.unlink()
@@ -232,6 +251,10 @@ class SharedRegion(Region):
         finally:
             os.close(fd)
         self.array = np.frombuffer(self._map, dtype=np.uint8, count=nbytes)
+        if extra:
+            self.words = np.frombuffer(self._map, dtype=np.int64, count=WORDS, offset=at)
+            if create:
+                _own_words(self.words)
         if create and prefault:
             self.array.fill(0)  # fault every page in now, not during a collective
 
@@ -250,13 +273,15 @@ class SharedRegion(Region):
         os.ftruncate(fd, nbytes)  # a file system without fallocate: size it at least
 
     @classmethod
-    def create(cls, nbytes: int, tag: str, local_ranks: int = 1, *, prefault: bool = True) -> "SharedRegion":
+    def create(cls, nbytes: int, tag: str, local_ranks: int = 1, *, prefault: bool = True,
+               words: bool = False) -> "SharedRegion":
         return cls(f"{SHM_PREFIX}{os.getpid()}-{tag}-{secrets.token_hex(4)}", nbytes, create=True,
-                   local_ranks=local_ranks, prefault=prefault)
+                   local_ranks=local_ranks, prefault=prefault, words=words)
 
     @classmethod
-    def attach(cls, name: str, nbytes: int, *, readonly: bool = False) -> "SharedRegion":
-        return cls(name, nbytes, create=False, readonly=readonly)
+    def attach(cls, name: str, nbytes: int, *, readonly: bool = False, words: bool = False) -> "SharedRegion":
+        """A peer's region; ``words``: and its owner's words after the bytes, where it made them."""
+        return cls(name, nbytes, create=False, readonly=readonly, words=words)
 
     def unlink(self) -> None:
         """Remove the name; mappings stay valid until closed (no leak if the job dies)."""
@@ -275,6 +300,7 @@ class SharedRegion(Region):
 
     def close(self) -> None:
         self.array = np.empty(0, dtype=np.uint8)
+        self.words = np.zeros(0, np.int64)
         if self._map is None:
             return
         try:
@@ -305,7 +331,7 @@ class CclBuffers:
         nbytes = fit(nbytes, local_ranks, shrink=shrink)
         ccl_in = SharedRegion.create(nbytes, f"{tag}-in", local_ranks, prefault=prefault)
         try:
-            ccl_out = SharedRegion.create(nbytes, f"{tag}-out", local_ranks, prefault=prefault)
+            ccl_out = SharedRegion.create(nbytes, f"{tag}-out", local_ranks, prefault=prefault, words=True)
         except BaseException:
             ccl_in.unlink()
             ccl_in.close()

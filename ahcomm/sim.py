@@ -119,11 +119,12 @@ class _Done(Progress):
 
 
 class _Buffers:
-    """What the executor reads of ``CclBuffers``: ``nbytes`` and the two arrays."""
+    """What the executor reads of ``CclBuffers``: ``nbytes``, the two arrays and the words."""
 
     class _Region:
         def __init__(self, array: np.ndarray) -> None:
             self.array = array
+            self.words = np.zeros(0, np.int64)  # no peer maps them: the gates stay private
 
     def __init__(self, ccl_in: np.ndarray, ccl_out: np.ndarray) -> None:
         self.nbytes = ccl_in.nbytes

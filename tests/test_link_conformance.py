@@ -8,7 +8,7 @@ apart per (signal, index, seq parity); ``put`` then ``post`` (and ``flush`` wher
 copies) means the bytes have landed, for 0, 1, odd, large and multi-frame sizes, in order;
 ``remote`` maps the peer's buffers exactly where ``mapped``; ``read`` copies the peer's memory
 where ``single_copy``, and ``write`` into it (``read_word``: one int64; ``pipe``: both by address,
-piece after piece); ``fail`` wakes every
+piece after piece); ``words`` maps the peer's CCL_Out words where ``mapped``; ``fail`` wakes every
 waiter and every later wait raises.
 """
 
@@ -210,6 +210,24 @@ async def test_pipe_reads_and_writes_the_peers_memory_by_address_where_single_co
     assert np.all(theirs.view(np.uint8)[shift:shift + nbytes] == 7) and theirs[-1] == 5999
     stats = a.stats()
     assert (stats["bytes_received"] - received, stats["bytes_sent"] - sent) == (nbytes, nbytes)
+
+
+async def test_words_maps_the_peers_ccl_out_words_live_where_mapped(pair: LocalLinks) -> None:
+    a, _b = ends(pair)
+    theirs = pair.buffers[1].ccl_out.words  # rank 1's; word 0 says where they lie in its process
+    at = int(theirs.ctypes.data)
+    assert int(theirs[0]) == at
+    assert a.words(at + 8, 0) is None and a.words(at + 4, 1) is None  # nothing, misaligned
+    assert a.words(int(np.zeros(2, np.int64).ctypes.data), 2) is None  # not its words: read_word reads it
+    mapped = a.words(at + 8, 2)
+    if not a.mapped:
+        assert mapped is None
+        return
+    assert mapped is not None and mapped.dtype == np.int64
+    theirs[1:3] = [7, -3]
+    assert mapped.tolist() == [7, -3]  # live: the owner's later store shows
+    assert not mapped.flags.writeable  # the owner's flags: a peer only looks
+    assert a.words(at, 1) is None and a.words(at + 8 * (theirs.size - 1), 2) is None  # word 0, past the end
 
 
 async def test_fail_wakes_waiters_and_later_waits_raise(pair: LocalLinks) -> None:

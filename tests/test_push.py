@@ -39,16 +39,20 @@ class WordLink:
             raise ahcomm.TransportError("reading failed: EPERM")
         return ctypes.c_int64.from_address(addr).value
 
+    def words(self, addr: int, count: int) -> np.ndarray | None:
+        return None  # not mapped: read_word reads them
 
+
+@pytest.mark.parametrize("mapped", [False, True], ids=["kernel", "mapped"])  # read_word, or a load (words)
 @pytest.mark.parametrize("seq", [0, 5])  # 0: a communicator's first call (a gate of 0 is closed)
-def test_a_writer_stops_at_a_closed_gate_naming_the_peer_op_and_seq(seq: int) -> None:
+def test_a_writer_stops_at_a_closed_gate_naming_the_peer_op_and_seq(seq: int, mapped: bool) -> None:
     mine, owner = Gates(), Gates()
     mine.open(seq)
     owner.open(seq)
     link = WordLink(1)
-    owners = [(link, 1, owner.address)]
+    owners: list[_push.Owner] = [(link, 1, owner.address, owner.words if mapped else None)]  # type: ignore[list-item]
     _push.check(mine, seq, "all_reduce", 0, owners)  # both open: no error
-    assert link.reads == 1
+    assert link.reads == (0 if mapped else 1)
     owner.close(seq)
     with pytest.raises(ahcomm.PeerFailure, match=rf"rank 1 ended all_reduce #{seq}") as info:
         _push.check(mine, seq, "all_reduce", 0, owners)
@@ -68,6 +72,19 @@ def test_a_writer_stops_when_its_own_call_failed_or_its_communicator_aborted() -
     mine.shut()  # Executor.abort
     with pytest.raises(ahcomm.PeerFailure, match=r"rank 0's all_reduce #4 ended"):
         _push.check(mine, 4, "all_reduce", 0, [])
+
+
+def test_bind_carries_the_words_over_and_the_address_follows() -> None:
+    gates = Gates()
+    gates.open(4)
+    gates.done(3)
+    shared = np.zeros(3, np.int64)
+    gates.bind(shared[1:])  # as Executor.bind does with the CCL_Out's words
+    assert shared.tolist() == [0, 5, 4] and gates.address == shared[1:].ctypes.data
+    assert gates.is_open(4) and gates.released(3)
+    gates.bind(np.zeros(2, np.int64))  # suspended: no view of the buffers kept
+    assert gates.is_open(4) and gates.address != shared[1:].ctypes.data
+    assert shared[1] == 0  # the old words read closed to a peer still looking at them
 
 
 def test_a_loop_that_has_not_begun_never_begins_once_its_call_failed() -> None:
@@ -245,3 +262,42 @@ async def test_an_abort_shuts_the_gate_and_mesh_reads_it_before_every_piece(monk
             c.abort("done")
         for c in comms:
             await c.close()
+
+
+@pytest.mark.parametrize("transport", ["inproc", "sdma"])
+async def test_gates_live_in_the_ccl_out_words_which_peers_map_and_move_at_resume(
+        transport: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A communicator's gates are the words after its CCL_Out (a peer's look is a load); while
+    suspended they are private (no view keeps the buffers mapped), after resume the new buffers'."""
+    from ahcomm.testing import local_world
+    looks: list[bool] = []
+    check = _push.check
+
+    def counting(gates: Gates, seq: int, op: str, rank: int, owners: list[_push.Owner]) -> None:
+        looks.extend(mapped is not None for *_, mapped in owners)
+        check(gates, seq, op, rank, owners)
+    monkeypatch.setattr(_push, "check", counting)
+    comms = await local_world(2, transport=transport, buffsize=1 << 16)
+    try:
+        def where(comm: ahcomm.Comm) -> tuple[int, int]:
+            ex, words = comm._executor, comm._executor.buffers.ccl_out.words
+            return ex.gates.address, int(words.ctypes.data) + 8 if words.size else 0
+        at, words = where(comms[0])
+        assert at == words != 0
+        link = comms[1]._executor.links[0]
+        mapped = link.words(at, 2)
+        assert mapped is not None  # rank 1 maps rank 0's gates
+        comms[0]._executor.gates.open(41)
+        assert int(mapped[GATE]) == 42
+        comms[0]._executor.gates.shut()
+        await asyncio.gather(*(c.suspend() for c in comms))
+        assert where(comms[0])[0] not in (at, 0) and int(mapped[GATE]) == 0
+        await asyncio.gather(*(c.resume() for c in comms))
+        at2, words2 = where(comms[0])
+        assert at2 == words2 != 0 and comms[1]._executor.links[0].words(at2, 2) is not None
+        x = np.arange(300_000, dtype=np.float32)  # a push all_reduce after resume is right
+        outs = await asyncio.gather(*(c.all_reduce(x, algorithm="mesh") for c in comms))
+        np.testing.assert_array_equal(outs[0], 2 * x)
+        assert looks and all(looks)  # every look at a peer's gate was a load
+    finally:
+        await asyncio.gather(*(c.close() for c in comms), return_exceptions=True)

@@ -116,12 +116,12 @@ class Executor:
         self.subs: list[Stream] = []
         self._host_floor = 0  # ranks on this host that the topology may not show (``share_host``)
         self._copy_policy()  # host_ranks, engine_bytes
+        self.gates = Gates()  # mesh's push gates: in the CCL_Out's words (``bind``), posted per call
         self.bind()
         self._unmapped = [link for link in links.values() if not link.mapped]
         self._ctx: Context | None = None  # the run in progress (abort fails its local notifies)
         self._error: BaseException | None = None  # set by abort: no further slice starts
         self._scratch = np.empty(0, np.uint8)
-        self.gates = Gates()  # its address is posted per call: it never moves
         self._resources: dict[tuple[Any, ...], Resources] = {}
         self.mailbox: Mailboxes | None = None  # the host's mailboxes (set at init where ``topo.mailbox``)
         self.paths: dict[str, int] = {}  # runs per path where an algorithm has several (``Context.tally``)
@@ -133,12 +133,15 @@ class Executor:
         self.half = h = buffers.nbytes // 2 // ALIGN * ALIGN
         # (offset, CCL_In half, CCL_Out half) used by collectives of even and of odd sequence number
         self._halves = [(p, buffers.ccl_in.array[p:p + h], buffers.ccl_out.array[p:p + h]) for p in (0, h)]
+        words = buffers.ccl_out.words
+        self.gates.bind(words[1:3] if words.size >= 3 else np.zeros(2, np.int64))  # word 0: their address
 
     def release(self) -> None:
         """Drop every view of the CCL buffers, the scratch region and the mailboxes (``Comm.suspend``)."""
         self._halves = []
         self._scratch = np.empty(0, np.uint8)
         self._resources.clear()
+        self.gates.bind(np.zeros(2, np.int64))
         self.mailbox = None
         self._let_go()
 
@@ -276,6 +279,7 @@ class Executor:
         if self.tracer is not None:
             self.tracer.write()
         self._halves = []  # drop our views of the CCL buffers so they can be unmapped
+        self.gates.bind(np.zeros(2, np.int64))
         self.mailbox = None  # and of the host's mailboxes
 
     def attach(self, events: LinkEvents) -> None:

@@ -9,9 +9,10 @@ slowed: 9.0-10.0 ms a call against 11.1-15.3, later 12.2-12.3 against 12.8-13.4
 
 A rank's output is then written by its peers, so a call that fails or is cancelled on one rank
 must not return while a peer may still write there (the output may be a user's ``out=``, reused
-at once). Each rank keeps two words in its own memory (``Gates.words``), which its peers read
-through their links (``DataLink.read_word``); a word holds a call's sequence number plus one,
-so that 0 means "none" (a communicator's first call is number 0):
+at once). Each rank keeps two words in its own memory (``Gates.words``: after its CCL_Out's
+bytes, ``Region.words``, where it is shared memory), which its peers map (``DataLink.words``: a
+look is a load) or else read through the kernel (``DataLink.read_word``); a word holds a call's
+sequence number plus one, so that 0 means "none" (a communicator's first call is number 0):
 
 - its *gate*: the call whose output peers may write (0: closed). A writer reads each owner's
   gate before each piece it writes there, and stops (``PeerFailure``) at a closed one. An abort
@@ -53,7 +54,7 @@ class Gates:
     """One communicator's side of the protocol: its words, the calls' state, the peers' words."""
 
     def __init__(self) -> None:
-        self.words = np.zeros(2, np.int64)  # [gate, release] (a call's seq + 1; 0: none); never moves
+        self.words = np.zeros(2, np.int64)  # [gate, release] (a call's seq + 1; 0: none); see ``bind``
         self.peers: dict[int, int] = {}  # peer -> address of its words (the current call's)
         self._lock = threading.Lock()  # the push loop may run on a copy engine's thread
         self._seq = -1
@@ -63,6 +64,14 @@ class Gates:
     @property
     def address(self) -> int:
         return int(self.words.ctypes.data)
+
+    def bind(self, words: np.ndarray) -> None:
+        """Keep the words in ``words`` (two int64s) from now on, their values carried over: the CCL
+        buffers' words at creation and after ``Comm.resume``, private ones while suspended (no
+        view may keep the buffers mapped). Between calls only: each call posts the address anew."""
+        old, self.words = self.words, words
+        words[:] = old
+        old[GATE] = 0  # a peer still looking at the old ones finds them closed
 
     def open(self, seq: int) -> None:
         """At the call's start, before anything is posted: peers may write its output for ``seq``."""
@@ -118,14 +127,18 @@ class Gates:
         self.words[RELEASED] = max(int(self.words[RELEASED]), seq + 1)
 
 
-def check(gates: Gates, seq: int, op: str, rank: int, owners: list[tuple[DataLink, int, int]]) -> None:
-    """Before a writer's next piece: raise unless this rank's call and every owner's
-    (``(link, peer, words' address)``) still accept it."""
+Owner = tuple[DataLink, int, int, "np.ndarray | None"]  # (link, peer, words' address, the words mapped here)
+
+
+def check(gates: Gates, seq: int, op: str, rank: int, owners: list[Owner]) -> None:
+    """Before a writer's next piece: raise unless this rank's call and every owner's still
+    accept it."""
     if not gates.is_open(seq):
         raise PeerFailure(f"rank {rank}'s {op} #{seq} ended while it was writing its share into its peers' "
                           f"outputs: it stopped", rank=rank, op=op, seq=seq)
-    for link, peer, at in owners:
-        if link.read_word(at + GATE * WORD) != seq + 1:
+    for link, peer, at, mapped in owners:
+        gate = int(mapped[GATE]) if mapped is not None else link.read_word(at + GATE * WORD)
+        if gate != seq + 1:
             raise PeerFailure(f"rank {peer} ended {op} #{seq} (it failed there) before rank {rank} had written "
                               f"its share into rank {peer}'s output: rank {rank} stopped", rank=peer, op=op, seq=seq)
 
@@ -164,9 +177,11 @@ async def settle(gates: Gates, links: Mapping[int, DataLink], seq: int, op: str)
         raise cancelled
 
 
-def owners(links: Mapping[int, DataLink], gates: Gates, peers: list[int]) -> list[tuple[DataLink, int, int]]:
-    """(link, peer, words' address) of each peer this rank writes into."""
-    return [(links[p], p, gates.peers[p]) for p in peers]
+def owners(links: Mapping[int, DataLink], gates: Gates, peers: list[int]) -> list[Owner]:
+    """(link, peer, words' address, its words mapped here or None) of each peer this rank writes
+    into. A cross-process look through the kernel cost 6-9 us a piece on the Intel VM, and slowed
+    the copies beside it (a 2-process copy of the 64 MiB loop: 14.8-14.9 ms a call against 12.1-12.2)."""
+    return [(links[p], p, gates.peers[p], links[p].words(gates.peers[p], 2)) for p in peers]
 
 
 __all__ = ["Gates", "check", "owners", "settle"]

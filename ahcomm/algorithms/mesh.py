@@ -343,7 +343,7 @@ class Mesh(Algorithm):
                     mapped = link.view(at + a * item, (b - a) * item)
                     shares.append((_pipe(link), at, None if mapped is None else mapped.view(src.dtype)))
                 owners = _push.owners(ctx.links, gates, others)
-                outputs = [(_pipe(link), ctx.posted(p, Signal.DATA, SC_RESULT)) for link, p, _ in owners]
+                outputs = [(_pipe(link), ctx.posted(p, Signal.DATA, SC_RESULT)) for link, p, _, _ in owners]
                 tmp_at, out_at = int(scratch.ctypes.data), int((acc if streamed else dst).ctypes.data)
                 for lo in range(a, b, step):
                     hi = min(lo + step, b)

@@ -17,7 +17,8 @@ and, on RDMA-like links, DataAck) and gives access to the peer's CCL buffers:
   with ``ahcomm.alloc`` (else None): an algorithm reduces straight out of it, and ``read``
   copies from it instead of going through the kernel.
 * ``write(src, addr)`` is ``read``'s other way (into the peer's memory, now); ``read_word(addr)``
-  reads one int64 of the peer's (a flag); ``pipe()`` does ``read`` and ``write`` by address for
+  reads one int64 of the peer's (a flag), ``words(addr, count)`` maps such flags where they are
+  the words after the peer's CCL_Out (``Region.words``); ``pipe()`` does ``read`` and ``write`` by address for
   a loop of many pieces (``Pipe``).
 * ``send_message(key, meta, data)`` / ``message(key)`` carry point-to-point messages
   (send/recv), outside the collectives' buffers: a message is matched by its key
@@ -175,6 +176,7 @@ class DataLink(Protocol):
     def read(self, dst: np.ndarray, addr: int, run: MemoryRunner) -> Awaitable[Any] | None: ...
     def write(self, src: np.ndarray, addr: int) -> None: ...
     def read_word(self, addr: int) -> int: ...
+    def words(self, addr: int, count: int) -> np.ndarray | None: ...
     def pipe(self) -> Pipe | None: ...
     def view(self, addr: int, nbytes: int) -> np.ndarray | None: ...
     async def flush(self) -> None: ...
@@ -355,6 +357,13 @@ class Link(ABC):
         a flag of the peer's, not data (not counted as bytes received)."""
         raise NotImplementedError(f"{self.kind} links cannot read a peer's memory")
 
+    def words(self, addr: int, count: int) -> np.ndarray | None:
+        """The peer's ``count`` int64 words at ``addr`` (an address in the peer's process) mapped
+        here, live and read-only, where they are the words of the peer's CCL_Out that this link
+        maps (``Region.words``); else None (``read_word`` reads them). A look is then a load, not
+        a system call. Flags, not data: not counted as bytes."""
+        return None
+
     def pipe(self) -> Pipe | None:
         """A ``Pipe`` for one thread's loop of reads and writes (where ``single_copy``), else None.
         This one goes through ``read`` and ``write``; a transport overrides it with a leaner one."""
@@ -527,18 +536,34 @@ def _now(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
 class MappedAccess:
     """Mixin for links whose peer buffers are mapped here: a put is a local memory copy.
 
-    The concrete class sets ``_remote`` to the peer's (CCL_In, CCL_Out) uint8 arrays.
+    The concrete class sets ``_remote`` to the peer's (CCL_In, CCL_Out) uint8 arrays, and
+    ``_remote_words`` to the peer's CCL_Out words (``Region.words``) where it maps them.
     """
 
     mapped = True
     _remote: tuple[np.ndarray, np.ndarray]
+    _remote_words: np.ndarray = np.zeros(0, np.int64)
     bytes_sent: int
 
     def remote(self, buf: str) -> np.ndarray:
         return self._remote[BUFFER_IDS[buf]]
 
+    def words(self, addr: int, count: int) -> np.ndarray | None:
+        """The peer's words at ``addr`` (its address), where they are its CCL_Out's words, mapped
+        here: word 0 says where they lie in the peer's process."""
+        words = self._remote_words
+        if words.size == 0:
+            return None
+        offset = addr - int(words[0])
+        if offset % 8 or not 0 < offset // 8 <= words.size - count or count <= 0:
+            return None
+        view = words[offset // 8:offset // 8 + count]
+        view.flags.writeable = False  # the owner's flags: a peer only looks
+        return view
+
     def unmap_peer_buffers(self) -> int:
         self._remote = (np.empty(0, np.uint8), np.empty(0, np.uint8))
+        self._remote_words = np.zeros(0, np.int64)
         return 0
 
     def put(self, src: np.ndarray, buf: str, offset: int, seq: int, run: MemoryRunner) -> "Awaitable[Any] | None":

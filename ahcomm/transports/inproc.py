@@ -68,6 +68,7 @@ class InprocLink(MappedAccess, Link):
                  world: "InprocWorld | None" = None, ends: tuple[int, int] | None = None) -> None:
         super().__init__(rank, peer, on_progress)
         self._remote = (peer_buffers.ccl_in.array, peer_buffers.ccl_out.array)
+        self._remote_words = peer_buffers.ccl_out.words
         self.twin: InprocLink | None = None  # the peer's link back to us
         self.world = world
         self.ends = ends or (rank, peer)  # (this rank, the peer) in the world's numbering
@@ -87,6 +88,7 @@ class InprocLink(MappedAccess, Link):
         assert self.world is not None
         buffers = self.world.imported(peer_buffers["token"])
         self._remote = (buffers.ccl_in.array, buffers.ccl_out.array)
+        self._remote_words = buffers.ccl_out.words
 
     def close(self) -> None:
         if self.world is not None:

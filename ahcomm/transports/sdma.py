@@ -65,8 +65,9 @@ class SdmaLink(MappedAccess, ZmqLink):
                  nbytes: int, on_progress: ProgressHook | None, pid: int = 0, probe_addr: int = 0, *,
                  parent: "SdmaLink | None" = None, domain: int = 0, notify: dict[str, Any] | None = None,
                  notify_ring: int = -1, memory: str | None = None) -> None:
-        self._regions = (SharedRegion.attach(shm_in, nbytes), SharedRegion.attach(shm_out, nbytes))
+        self._regions = (SharedRegion.attach(shm_in, nbytes), SharedRegion.attach(shm_out, nbytes, words=True))
         self._remote = (self._regions[0].array, self._regions[1].array)
+        self._remote_words = self._regions[1].words
         try:
             super().__init__(rank, peer, channel, endpoint, on_progress, parent=parent, domain=domain)
         except BaseException:
@@ -126,6 +127,7 @@ class SdmaLink(MappedAccess, ZmqLink):
 
     def unmap_peer_buffers(self) -> int:
         self._remote = (np.empty(0, np.uint8), np.empty(0, np.uint8))  # no view may keep the mapping
+        self._remote_words = np.zeros(0, np.int64)
         if self._memory is not None:  # the peer's alloc memory: mapped again at the next read
             self._memory.release()
         nbytes = sum(region.nbytes for region in self._regions)
@@ -135,8 +137,9 @@ class SdmaLink(MappedAccess, ZmqLink):
 
     def map_peer_buffers(self, peer_buffers: dict[str, Any]) -> None:
         shm_in, shm_out, nbytes = self._shared_names(peer_buffers, "new buffers")
-        self._regions = (SharedRegion.attach(shm_in, nbytes), SharedRegion.attach(shm_out, nbytes))
+        self._regions = (SharedRegion.attach(shm_in, nbytes), SharedRegion.attach(shm_out, nbytes, words=True))
         self._remote = (self._regions[0].array, self._regions[1].array)
+        self._remote_words = self._regions[1].words
         if self.root is self:  # and the peer's new inbox, if it made one (its first post through it comes
             if self._outbox is not None:  # after resume's last round: every earlier one over ZeroMQ is read)
                 self._outbox.close()
@@ -240,5 +243,6 @@ class SdmaLink(MappedAccess, ZmqLink):
             self._memory.close()
             self._memory = None
         self._remote = (np.empty(0, np.uint8), np.empty(0, np.uint8))  # no view may keep the mapping
+        self._remote_words = np.zeros(0, np.int64)
         for region in self._regions:
             region.close()
