@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 
 from ahcomm import TransportError, _bootstrap
+from ahcomm._memcopy import PAGE, misaligned
 from ahcomm.testing import TRANSPORTS, LocalLinks, local_links
 from ahcomm.transports.base import EAGER_BYTES, MAX_CONTROL, Link, Signal
 
@@ -188,9 +189,9 @@ async def test_read_word_reads_one_int64_of_the_peers_memory_where_single_copy(p
     assert a.stats()["bytes_received"] == received  # a flag, not data
 
 
-@pytest.mark.parametrize("shift", [0, 8])  # 8: a pair whose copy the kernel would run slowly (bounced)
+@pytest.mark.parametrize("gap", [0, 8])  # (destination - source) % page: 8 is the kernel's slow case, bounced
 async def test_pipe_reads_and_writes_the_peers_memory_by_address_where_single_copy(pair: LocalLinks,
-                                                                                    shift: int) -> None:
+                                                                                    gap: int) -> None:
     a, _b = ends(pair)
     pipe = a.pipe()
     if not a.single_copy:
@@ -198,16 +199,19 @@ async def test_pipe_reads_and_writes_the_peers_memory_by_address_where_single_co
         return
     assert pipe is not None
     theirs = np.arange(6000, dtype=np.uint32)  # the peer's memory (one process, one address space)
-    mine = np.zeros(7000, np.uint32)
-    nbytes = 5000 * 4 - shift
+    mine = np.zeros(8000, np.uint32)
+    base, remote, nbytes = int(mine.ctypes.data), int(theirs.ctypes.data) + 4, 5000 * 4 - 4
+    at = (remote + gap - base) % PAGE  # where in mine the read lands: (local - remote) % PAGE == gap
+    assert misaligned(base + at, remote, nbytes) == (gap != 0)
     received, sent = a.stats()["bytes_received"], a.stats()["bytes_sent"]
-    pipe.read(int(mine.ctypes.data) + 4 + shift, int(theirs.ctypes.data) + 4, nbytes)
-    np.testing.assert_array_equal(mine.view(np.uint8)[4 + shift:4 + shift + nbytes],
-                                  theirs.view(np.uint8)[4:4 + nbytes])
-    assert not mine.view(np.uint8)[:4 + shift].any() and not mine.view(np.uint8)[4 + shift + nbytes:].any()
+    pipe.read(base + at, remote, nbytes)
+    np.testing.assert_array_equal(mine.view(np.uint8)[at:at + nbytes], theirs.view(np.uint8)[4:4 + nbytes])
+    assert not mine.view(np.uint8)[:at].any() and not mine.view(np.uint8)[at + nbytes:].any()
     mine.view(np.uint8)[:] = 7
-    pipe.write(int(mine.ctypes.data), int(theirs.ctypes.data) + shift, nbytes)
-    assert np.all(theirs.view(np.uint8)[shift:shift + nbytes] == 7) and theirs[-1] == 5999
+    at = (remote - gap - base) % PAGE  # where in mine the write comes from: (remote - local) % PAGE == gap
+    assert misaligned(remote, base + at, nbytes) == (gap != 0)
+    pipe.write(base + at, remote, nbytes)
+    assert np.all(theirs.view(np.uint8)[4:4 + nbytes] == 7) and theirs[0] == 0 and theirs[-1] == 5999
     stats = a.stats()
     assert (stats["bytes_received"] - received, stats["bytes_sent"] - sent) == (nbytes, nbytes)
 

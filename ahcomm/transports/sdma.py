@@ -37,25 +37,23 @@ class _KernelPipe:
         link = self._link
         link.bytes_received += nbytes
         link.kernel_read_bytes += nbytes
-        try:
-            if misaligned(local, remote, nbytes):
-                _cma.read(link.pid, at_address(local, nbytes), remote)
-            else:
-                self._pipe.read(local, remote, nbytes)
-        except OSError as exc:
-            raise link._failed("reading", exc) from (None if exc.errno == errno.ESRCH else exc)
+        self._move("reading", local, remote, nbytes, misaligned(local, remote, nbytes))
 
     def write(self, local: int, remote: int, nbytes: int) -> None:
         link = self._link
         link.bytes_sent += nbytes
         link.kernel_write_bytes += nbytes
+        self._move("writing", local, remote, nbytes, misaligned(remote, local, nbytes))
+
+    def _move(self, doing: str, local: int, remote: int, nbytes: int, bounced: bool) -> None:
+        link, into = self._link, doing == "reading"
         try:
-            if misaligned(remote, local, nbytes):
-                _cma.write(link.pid, at_address(local, nbytes), remote)
+            if bounced:
+                (_cma.read if into else _cma.write)(link.pid, at_address(local, nbytes), remote)
             else:
-                self._pipe.write(local, remote, nbytes)
+                (self._pipe.read if into else self._pipe.write)(local, remote, nbytes)
         except OSError as exc:
-            raise link._failed("writing", exc) from (None if exc.errno == errno.ESRCH else exc)
+            raise link._failed(doing, exc) from (None if exc.errno == errno.ESRCH else exc)
 
 
 class SdmaLink(MappedAccess, ZmqLink):
