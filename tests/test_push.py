@@ -87,6 +87,39 @@ def test_bind_carries_the_words_over_and_the_address_follows() -> None:
     assert shared[1] == 0  # the old words read closed to a peer still looking at them
 
 
+def test_a_loop_still_running_at_a_bind_releases_into_the_old_words_too() -> None:
+    """A push loop that outlived settle's wait may end after close or suspend moved the words
+    (helper-52): its release must show where the peers look, the old words."""
+    gates = Gates()
+    first = np.zeros(2, np.int64)
+    gates.bind(first)
+    gates.open(3)
+    assert gates.begin(3)
+    gates.bind(np.zeros(2, np.int64))  # Executor.close while the loop runs
+    assert first[GATE] == 0 and first[_push.RELEASED] == 0
+    gates.done(3)
+    assert first[_push.RELEASED] == 4 and gates.released(3)
+
+
+def test_a_peer_failures_traceback_keeps_no_view_of_the_peers_words() -> None:
+    """The error of a closed gate is kept (the call's, the communicator's): its traceback must not
+    hold the peer's words, a view that keeps the peer's CCL buffer mapped (helper-52)."""
+    import gc
+    import weakref
+    mine = Gates()
+    mine.open(2)
+    words = np.zeros(4, np.int64)
+    view = words[1:3]  # the owner's gate closed
+    alive = weakref.ref(view)
+    owners: list[_push.Owner] = [(WordLink(1), 1, int(view.ctypes.data), view)]  # type: ignore[list-item]
+    with pytest.raises(ahcomm.PeerFailure) as info:
+        _push.check(mine, 2, "all_reduce", 0, owners)
+    owners.clear()  # as the push loop does when it ends
+    del view
+    gc.collect()
+    assert info.value.__traceback__ is not None and alive() is None
+
+
 def test_a_loop_that_has_not_begun_never_begins_once_its_call_failed() -> None:
     gates = Gates()
     assert not gates.released(0)  # nothing released before a first call
@@ -289,8 +322,7 @@ async def test_gates_live_in_the_ccl_out_words_which_peers_map_and_move_at_resum
         assert mapped is not None  # rank 1 maps rank 0's gates
         comms[0]._executor.gates.open(41)
         assert int(mapped[GATE]) == 42
-        comms[0]._executor.gates.shut()
-        await asyncio.gather(*(c.suspend() for c in comms))
+        await asyncio.gather(*(c.suspend() for c in comms))  # leaves the old words closed
         assert where(comms[0])[0] not in (at, 0) and int(mapped[GATE]) == 0
         await asyncio.gather(*(c.resume() for c in comms))
         at2, words2 = where(comms[0])

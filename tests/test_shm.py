@@ -274,3 +274,27 @@ def test_a_flight_record_on_a_full_tmpfs_is_whole_or_absent(tmp_path: Path) -> N
                           capture_output=True, text=True, timeout=60, cwd=ROOT, env=job_env())
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["None", "[]"], done.stdout
+
+
+@pytest.mark.parametrize("nbytes", [4096, 4093, 1])
+def test_ccl_out_words_follow_the_bytes_and_a_peer_maps_them(nbytes: int) -> None:
+    """``SharedRegion(words=True)``: 8 int64s after the bytes (8-aligned), word 0 their own address
+    in the owner's process; a peer's attach maps the same words; an owner that made none leaves
+    the attacher none, its bytes intact."""
+    owner = SharedRegion.create(nbytes, "words-test", words=True)
+    plain = SharedRegion.create(nbytes, "words-none")
+    try:
+        assert owner.nbytes == nbytes and owner.words.size == _buffers.WORDS
+        assert int(owner.words[0]) == owner.words.ctypes.data and owner.words.ctypes.data % 8 == 0
+        assert owner.words.ctypes.data >= owner.array.ctypes.data + nbytes  # after the bytes, not in them
+        peer = SharedRegion.attach(owner.name, nbytes, words=True)
+        owner.words[3] = 77
+        assert int(peer.words[3]) == 77 and int(peer.words[0]) == int(owner.words[0])
+        other = SharedRegion.attach(plain.name, nbytes, words=True)
+        assert other.words.size == 0 and other.nbytes == nbytes
+        for region in (peer, other):
+            region.close()
+    finally:
+        for region in (owner, plain):
+            region.unlink()
+            region.close()

@@ -60,6 +60,7 @@ class Gates:
         self._seq = -1
         self._state = _IDLE
         self._exposed = -1  # the last call whose output's address was posted
+        self._stale: np.ndarray | None = None  # words left by ``bind`` while a loop ran (its release goes there too)
 
     @property
     def address(self) -> int:
@@ -68,10 +69,14 @@ class Gates:
     def bind(self, words: np.ndarray) -> None:
         """Keep the words in ``words`` (two int64s) from now on, their values carried over: the CCL
         buffers' words at creation and after ``Comm.resume``, private ones while suspended (no
-        view may keep the buffers mapped). Between calls only: each call posts the address anew."""
-        old, self.words = self.words, words
-        words[:] = old
-        old[GATE] = 0  # a peer still looking at the old ones finds them closed
+        view may keep the buffers mapped). Between calls: each call posts the address anew; a loop
+        still running (one that outlived ``settle``'s wait) releases into the old words too, where
+        its peers look."""
+        with self._lock:
+            old, self.words = self.words, words
+            words[:] = old
+            old[GATE] = 0  # a peer still looking at the old ones finds them closed
+            self._stale = old if self._state == _RUNNING else None
 
     def open(self, seq: int) -> None:
         """At the call's start, before anything is posted: peers may write its output for ``seq``."""
@@ -125,6 +130,9 @@ class Gates:
 
     def _release(self, seq: int) -> None:  # under the lock; never backwards (a late loop's end)
         self.words[RELEASED] = max(int(self.words[RELEASED]), seq + 1)
+        if self._stale is not None:
+            self._stale[RELEASED] = self.words[RELEASED]
+            self._stale = None
 
 
 Owner = tuple[DataLink, int, int, "np.ndarray | None"]  # (link, peer, words' address, the words mapped here)
@@ -139,6 +147,7 @@ def check(gates: Gates, seq: int, op: str, rank: int, owners: list[Owner]) -> No
     for link, peer, at, mapped in owners:
         gate = int(mapped[GATE]) if mapped is not None else link.read_word(at + GATE * WORD)
         if gate != seq + 1:
+            mapped = None  # the error's traceback must not keep the peer's buffer mapped
             raise PeerFailure(f"rank {peer} ended {op} #{seq} (it failed there) before rank {rank} had written "
                               f"its share into rank {peer}'s output: rank {rank} stopped", rank=peer, op=op, seq=seq)
 

@@ -332,17 +332,18 @@ class Mesh(Algorithm):
         def reduce_share() -> None:  # one engine task: no event-loop round trip per piece
             if not gates.begin(seq):  # the call already failed here: write nothing
                 return
+            shares: list[tuple[Pipe, int, np.ndarray | None]] = []
+            owners: list[_push.Owner] = []
             try:
                 # A peer's share from ahcomm.alloc memory is mapped here and reduced where it lies;
                 # any other is read through the kernel into the scratch piece first. Pieces move
                 # by address through each link's pipe (made once: per-call work in read/write cost
                 # about 2 ms of a 64 MiB call at np=2).
-                shares = []
                 for p in others:
                     link, at = ctx.links[p], ctx.posted(p, Signal.DATA, SC_DATA)
                     mapped = link.view(at + a * item, (b - a) * item)
                     shares.append((_pipe(link), at, None if mapped is None else mapped.view(src.dtype)))
-                owners = _push.owners(ctx.links, gates, others)
+                owners += _push.owners(ctx.links, gates, others)
                 outputs = [(_pipe(link), ctx.posted(p, Signal.DATA, SC_RESULT)) for link, p, _, _ in owners]
                 tmp_at, out_at = int(scratch.ctypes.data), int((acc if streamed else dst).ctypes.data)
                 for lo in range(a, b, step):
@@ -362,6 +363,8 @@ class Mesh(Algorithm):
                         copy(dst[lo:hi], out, stream=True)
             finally:
                 gates.done(seq)
+                shares.clear()  # views of peers' memory: an error's traceback keeps this frame
+                owners.clear()
 
         ctx.main.submit(lambda: ctx.main.memory(lambda _d: reduce_share(), dst[a:b]))
         _exchange(ctx, Signal.ACK, SC_DONE)
