@@ -134,14 +134,14 @@ class Executor:
         # (offset, CCL_In half, CCL_Out half) used by collectives of even and of odd sequence number
         self._halves = [(p, buffers.ccl_in.array[p:p + h], buffers.ccl_out.array[p:p + h]) for p in (0, h)]
         words = buffers.ccl_out.words
-        self.gates.bind(words[1:3] if words.size >= 3 else np.zeros(2, np.int64))  # word 0: their address
+        self.gates.bind(words[1:3] if words.size >= 3 else None)  # word 0: their address
 
     def release(self) -> None:
         """Drop every view of the CCL buffers, the scratch region and the mailboxes (``Comm.suspend``)."""
         self._halves = []
         self._scratch = np.empty(0, np.uint8)
         self._resources.clear()
-        self.gates.bind(np.zeros(2, np.int64))
+        self.gates.bind(None)
         self.mailbox = None
         self._let_go()
 
@@ -279,7 +279,7 @@ class Executor:
         if self.tracer is not None:
             self.tracer.write()
         self._halves = []  # drop our views of the CCL buffers so they can be unmapped
-        self.gates.bind(np.zeros(2, np.int64))
+        self.gates.bind(None)
         self.mailbox = None  # and of the host's mailboxes
 
     def attach(self, events: LinkEvents) -> None:

@@ -1,7 +1,7 @@
 """Writes into peers' outputs that stop when the output's owner stops (mesh's single-copy all_reduce).
 
 Mesh's single-copy all_reduce pushes: each rank writes every piece of its reduced share into
-each peer's output (``DataLink.write``: ``process_vm_writev``) while the piece is still in its
+each peer's output (``DataLink.pipe``: ``process_vm_writev``) while the piece is still in its
 cache, instead of each peer reading the share out of memory afterwards. On the Intel VM, a
 2-rank in-place all_reduce of 64 MiB, interleaved with the reads over an afternoon whose host
 slowed: 9.0-10.0 ms a call against 11.1-15.3, later 12.2-12.3 against 12.8-13.4
@@ -66,15 +66,15 @@ class Gates:
     def address(self) -> int:
         return int(self.words.ctypes.data)
 
-    def bind(self, words: np.ndarray) -> None:
-        """Keep the words in ``words`` (two int64s) from now on, their values carried over: the CCL
-        buffers' words at creation and after ``Comm.resume``, private ones while suspended (no
-        view may keep the buffers mapped). Between calls: each call posts the address anew; a loop
-        still running (one that outlived ``settle``'s wait) releases into the old words too, where
-        its peers look."""
+    def bind(self, words: np.ndarray | None) -> None:
+        """Keep the words in ``words`` (two int64s; None: private ones) from now on, their values
+        carried over: the CCL buffers' words at creation and after ``Comm.resume``, private ones
+        while suspended or closed (no view may keep the buffers mapped). Between calls: each call
+        posts the address anew; a loop still running (one that outlived ``settle``'s wait)
+        releases into the old words too, where its peers look."""
         with self._lock:
-            old, self.words = self.words, words
-            words[:] = old
+            old, self.words = self.words, np.zeros(2, np.int64) if words is None else words
+            self.words[:] = old
             old[GATE] = 0  # a peer still looking at the old ones finds them closed
             self._stale = old if self._state == _RUNNING else None
 

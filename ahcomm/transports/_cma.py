@@ -60,42 +60,25 @@ def write(pid: int, src: np.ndarray, addr: int) -> None:
 
 def read_word(pid: int, addr: int) -> int:
     """The int64 at ``addr`` (8-aligned) in process ``pid``: one ``process_vm_readv`` call."""
-    if _readv is None:
-        raise OSError("process_vm_readv is not available")
     word = ctypes.c_int64()
-    local = _IoVec(ctypes.addressof(word), 8)
-    remote = _IoVec(addr, 8)
-    if _readv(pid, ctypes.byref(local), 1, ctypes.byref(remote), 1, 0) != 8:
-        raise _failed("process_vm_readv from", pid)
+    Pipe(pid).read(ctypes.addressof(word), addr, 8)
     return word.value
 
 
 def _read(pid: int, dst: np.ndarray, addr: int) -> None:
-    _transfer(_readv, "process_vm_readv from", pid, dst, addr)
+    Pipe(pid).read(dst.ctypes.data, addr, dst.nbytes)
 
 
 def _write(pid: int, src: np.ndarray, addr: int) -> None:
-    _transfer(_writev, "process_vm_writev to", pid, src, addr)
-
-
-def _transfer(call: Any, what: str, pid: int, local_array: np.ndarray, addr: int) -> None:
-    if call is None:
-        raise OSError(f"{what.split()[0]} is not available")
-    done, total, base = 0, local_array.nbytes, local_array.ctypes.data
-    while done < total:
-        local = _IoVec(base + done, total - done)
-        remote = _IoVec(addr + done, total - done)
-        got = call(pid, ctypes.byref(local), 1, ctypes.byref(remote), 1, 0)
-        if got <= 0:
-            raise _failed(what, pid)
-        done += got
+    Pipe(pid).write(src.ctypes.data, addr, src.nbytes)
 
 
 class Pipe:
     """Raw transfers with one process by address, piece after piece from one thread: the I/O
-    vectors are made once. ``read``/``write`` above spend several microseconds a call in Python
-    (a 256 KiB piece takes about 25); a push loop of 128 pieces a call pays that 256 times.
-    The caller keeps the pairs aligned (``_memcopy.misaligned``): nothing bounces here."""
+    vectors are made once (``read``/``write`` above make a pipe, and their arrays' checks, at each
+    call: several microseconds in Python, where a 256 KiB piece takes about 25, which a push loop
+    of 128 pieces a call pays 256 times). The caller keeps the pairs aligned
+    (``_memcopy.misaligned``): nothing bounces here."""
 
     def __init__(self, pid: int) -> None:
         self.pid = pid

@@ -16,10 +16,10 @@ and, on RDMA-like links, DataAck) and gives access to the peer's CCL buffers:
 * ``view(addr, nbytes)`` is the peer's memory at ``addr`` mapped here, where the peer made it
   with ``ahcomm.alloc`` (else None): an algorithm reduces straight out of it, and ``read``
   copies from it instead of going through the kernel.
-* ``write(src, addr)`` is ``read``'s other way (into the peer's memory, now); ``read_word(addr)``
-  reads one int64 of the peer's (a flag), ``words(addr, count)`` maps such flags where they are
-  the words after the peer's CCL_Out (``Region.words``); ``pipe()`` does ``read`` and ``write`` by address for
-  a loop of many pieces (``Pipe``).
+* ``pipe()`` (``single_copy`` links only) copies with the peer's own memory by address, both
+  ways, piece after piece (``Pipe``: how an algorithm writes into a peer's memory);
+  ``read_word(addr)`` reads one int64 of the peer's (a flag), ``words(addr, count)`` maps such
+  flags where they are the words after the peer's CCL_Out (``Region.words``).
 * ``send_message(key, meta, data)`` / ``message(key)`` carry point-to-point messages
   (send/recv), outside the collectives' buffers: a message is matched by its key
   (user tag, per-pair sequence number), whether it arrives before or after it is asked for.
@@ -57,7 +57,7 @@ import numpy as np
 
 from .._buffers import CclBuffers
 from .._errors import TransportError
-from .._memcopy import at_address, copy
+from .._memcopy import copy
 from .._notify import Notify
 
 
@@ -174,7 +174,6 @@ class DataLink(Protocol):
     def put(self, src: np.ndarray, buf: str, offset: int, seq: int, run: MemoryRunner) -> Awaitable[Any] | None: ...
     def remote(self, buf: str) -> np.ndarray: ...
     def read(self, dst: np.ndarray, addr: int, run: MemoryRunner) -> Awaitable[Any] | None: ...
-    def write(self, src: np.ndarray, addr: int) -> None: ...
     def read_word(self, addr: int) -> int: ...
     def words(self, addr: int, count: int) -> np.ndarray | None: ...
     def pipe(self) -> Pipe | None: ...
@@ -347,11 +346,6 @@ class Link(ABC):
         """Copy ``dst.nbytes`` bytes from the peer's memory at ``addr`` into ``dst``."""
         raise NotImplementedError(f"{self.kind} links cannot read a peer's memory")
 
-    def write(self, src: np.ndarray, addr: int) -> None:
-        """Copy ``src`` (contiguous) into the peer's memory at ``addr``, now (where ``single_copy``,
-        as ``read``)."""
-        raise NotImplementedError(f"{self.kind} links cannot write a peer's memory")
-
     def read_word(self, addr: int) -> int:
         """The int64 at ``addr`` (8-aligned) in the peer's memory, now (where ``single_copy``):
         a flag of the peer's, not data (not counted as bytes received)."""
@@ -365,9 +359,9 @@ class Link(ABC):
         return None
 
     def pipe(self) -> Pipe | None:
-        """A ``Pipe`` for one thread's loop of reads and writes (where ``single_copy``), else None.
-        This one goes through ``read`` and ``write``; a transport overrides it with a leaner one."""
-        return _ArrayPipe(self) if self.single_copy else None
+        """A ``Pipe`` for one thread's loop of reads and writes, where ``single_copy`` (a transport
+        that sets it gives one), else None."""
+        return None
 
     def view(self, addr: int, nbytes: int) -> np.ndarray | None:
         """The peer's memory at ``addr`` (``nbytes``, uint8) mapped here, where the peer allocated
@@ -516,23 +510,6 @@ class Link(ABC):
         }
 
 
-class _ArrayPipe:
-    """``Pipe`` through a link's ``read`` and ``write`` (arrays made at each call)."""
-
-    def __init__(self, link: Link) -> None:
-        self._link = link
-
-    def read(self, local: int, remote: int, nbytes: int) -> None:
-        self._link.read(at_address(local, nbytes), remote, _now)
-
-    def write(self, local: int, remote: int, nbytes: int) -> None:
-        self._link.write(at_address(local, nbytes), remote)
-
-
-def _now(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
-    fn(*args, **kwargs)
-
-
 class MappedAccess:
     """Mixin for links whose peer buffers are mapped here: a put is a local memory copy.
 
@@ -554,10 +531,10 @@ class MappedAccess:
         words = self._remote_words
         if words.size == 0:
             return None
-        offset = addr - int(words[0])
-        if offset % 8 or not 0 < offset // 8 <= words.size - count or count <= 0:
+        index, rest = divmod(addr - int(words[0]), 8)  # word 0 is the address itself, never a flag
+        if rest or count <= 0 or not 1 <= index <= words.size - count:
             return None
-        view = words[offset // 8:offset // 8 + count]
+        view = words[index:index + count]
         view.flags.writeable = False  # the owner's flags: a peer only looks
         return view
 

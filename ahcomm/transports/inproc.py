@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from .._buffers import CclBuffers
-from .._memcopy import read_bounced, write_bounced
+from .._memcopy import read_bounced
 from .._peer_memory import local_view
 from .base import (
     EAGER_BYTES,
@@ -38,10 +38,6 @@ def _memmove(dst: np.ndarray, addr: int) -> None:
 
 def _raw_memmove(dst: np.ndarray, addr: int) -> None:
     ctypes.memmove(dst.ctypes.data, addr, dst.nbytes)
-
-
-def _raw_write(src: np.ndarray, addr: int) -> None:
-    ctypes.memmove(addr, src.ctypes.data, src.nbytes)
 
 
 class _MemmovePipe:
@@ -107,10 +103,6 @@ class InprocLink(MappedAccess, Link):
     def read(self, dst: np.ndarray, addr: int, run: MemoryRunner) -> "Awaitable[Any] | None":
         self.bytes_received += dst.nbytes
         return run(_memmove, dst, addr)
-
-    def write(self, src: np.ndarray, addr: int) -> None:
-        self.bytes_sent += src.nbytes
-        write_bounced(src, addr, _raw_write)
 
     def read_word(self, addr: int) -> int:
         return ctypes.c_int64.from_address(addr).value

@@ -10,7 +10,7 @@ buffer and a mesh algorithm can read or reduce straight out of it.
 from __future__ import annotations
 
 import errno
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import numpy as np
@@ -37,21 +37,25 @@ class _KernelPipe:
         link = self._link
         link.bytes_received += nbytes
         link.kernel_read_bytes += nbytes
-        self._move("reading", local, remote, nbytes, misaligned(local, remote, nbytes))
+        slow = misaligned(local, remote, nbytes)
+        self._move("reading", _cma.read if slow else None, self._pipe.read, local, remote, nbytes)
 
     def write(self, local: int, remote: int, nbytes: int) -> None:
         link = self._link
         link.bytes_sent += nbytes
         link.kernel_write_bytes += nbytes
-        self._move("writing", local, remote, nbytes, misaligned(remote, local, nbytes))
+        slow = misaligned(remote, local, nbytes)
+        self._move("writing", _cma.write if slow else None, self._pipe.write, local, remote, nbytes)
 
-    def _move(self, doing: str, local: int, remote: int, nbytes: int, bounced: bool) -> None:
-        link, into = self._link, doing == "reading"
+    def _move(self, doing: str, bounced: Callable[[int, np.ndarray, int], None] | None,
+              direct: Callable[[int, int, int], None], local: int, remote: int, nbytes: int) -> None:
+        """``direct`` by address, or, for a pair the kernel copies slowly, ``bounced`` with an array."""
+        link = self._link
         try:
-            if bounced:
-                (_cma.read if into else _cma.write)(link.pid, at_address(local, nbytes), remote)
+            if bounced is not None:
+                bounced(link.pid, at_address(local, nbytes), remote)
             else:
-                (self._pipe.read if into else self._pipe.write)(local, remote, nbytes)
+                direct(local, remote, nbytes)
         except OSError as exc:
             raise link._failed(doing, exc) from (None if exc.errno == errno.ESRCH else exc)
 
@@ -205,14 +209,6 @@ class SdmaLink(MappedAccess, ZmqLink):
             _cma.read(self.pid, dst, addr)
         except OSError as exc:
             raise self._failed("reading", exc) from (None if exc.errno == errno.ESRCH else exc)
-
-    def write(self, src: np.ndarray, addr: int) -> None:
-        self.bytes_sent += src.nbytes
-        self.kernel_write_bytes += src.nbytes
-        try:
-            _cma.write(self.pid, src, addr)
-        except OSError as exc:
-            raise self._failed("writing", exc) from (None if exc.errno == errno.ESRCH else exc)
 
     def read_word(self, addr: int) -> int:
         try:
