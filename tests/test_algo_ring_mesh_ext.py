@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import ahcomm
-from ahcomm.algorithms import REGISTRY, Call, Topology
+from ahcomm.algorithms import REGISTRY, Call, Topology, _push
 from ahcomm.algorithms.mesh import PUSH_BYTES
 
 from support.inproc import busy_flags
@@ -254,16 +254,25 @@ def test_registry_and_mesh_needs_mapped_links() -> None:
                                       all_mapped=True))
 
 
+@pytest.mark.parametrize("cores", [2, 8])
 @pytest.mark.parametrize("size", [2, 3, 4])
 @pytest.mark.parametrize("dtype, op", [(np.float32, "sum"), (np.float64, "max"), (np.int32, "prod")])
-async def test_mesh_single_copy_all_reduce_streams_a_large_output_out(size: int, dtype: Any, op: str,
-                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_mesh_single_copy_all_reduce_writes_a_large_output_directly(size: int, dtype: Any, op: str, cores: int,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """Out of place into an output the cache should not keep (``Context.stream_output``, here for
-    every size), a rank reduces each piece of its share in the scratch and streams it out: one
-    peer reduces into the piece read, two or more into a second piece. Pieces of ``PUSH_BYTES``
-    and an odd tail; in place takes the other path; the inputs stay as they were."""
+    every size), each rank reduces every piece of its share straight into the output and pushes
+    it from there, whether or not each rank has a core: no second pass through the scratch and
+    no non-temporal copy (with the push loop that pass cost more than it saved). Pieces of
+    ``PUSH_BYTES`` and an odd tail; in place the same; the inputs stay as they were."""
     monkeypatch.setattr("ahcomm.algorithms.base.streams", lambda nbytes: True)
-    monkeypatch.setattr("ahcomm.algorithms.base.usable_cores", lambda: 8)  # a core for each rank
+    monkeypatch.setattr("ahcomm.algorithms.base.usable_cores", lambda: cores)
+    pieces = [0]
+    check = _push.check
+
+    def counted(*args: Any) -> None:
+        pieces[0] += 1
+        check(*args)
+    monkeypatch.setattr(_push, "check", counted)
     rng = np.random.default_rng(size)
     count = size * (PUSH_BYTES // np.dtype(dtype).itemsize) + 7
     xs = [(rng.integers(1, 3, count) if np.dtype(dtype).kind == "i" else rng.standard_normal(count)).astype(dtype)
@@ -280,21 +289,7 @@ async def test_mesh_single_copy_all_reduce_streams_a_large_output_out(size: int,
     for out, inplace, paths in await run_job(size, body, buffsize=4 << 20):
         assert_close(out, want)
         assert_close(inplace, want)
-        assert paths.get("copy.non_temporal") == 1, paths  # the out-of-place call only
+        assert "copy.non_temporal" not in paths, paths
+    assert pieces[0] >= 2 * 2 * size, pieces  # the push loop ran: two pieces (one and a tail) a rank, two calls
     for x, orig in zip(xs, copies):
         np.testing.assert_array_equal(x, orig)
-
-
-async def test_mesh_single_copy_all_reduce_writes_directly_where_ranks_share_cores(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """With more ranks than cores the reduction writes the output itself (the extra pass through
-    the scratch cost more than it saved at 4 ranks on 2 cores)."""
-    monkeypatch.setattr("ahcomm.algorithms.base.streams", lambda nbytes: True)
-    monkeypatch.setattr("ahcomm.algorithms.base.usable_cores", lambda: 2)
-    xs = [np.full(3 * PUSH_BYTES // 4 + 5, r + 1, np.float32) for r in range(3)]
-
-    async def body(comm: ahcomm.Comm) -> tuple[np.ndarray, dict[str, int]]:
-        return await comm.all_reduce(xs[comm.rank], algorithm="mesh"), comm.stats()["paths"]
-
-    for out, paths in await run_job(3, body, buffsize=4 << 20):
-        assert np.all(out == 6) and "copy.non_temporal" not in paths, paths

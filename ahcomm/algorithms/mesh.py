@@ -28,13 +28,12 @@ from typing import ClassVar
 
 import numpy as np
 
-from .._memcopy import copy
 from .._stream import Stream
 from ..transports.base import DataLink, Pipe, Signal
 from . import _push
 from ._mesh_whole import OPS as WHOLE_OPS
 from ._mesh_whole import orchestrate_whole, whole_work
-from .base import Algorithm, Call, Context, Resources, Topology, aligned, oversubscribed, split
+from .base import Algorithm, Call, Context, Resources, Topology, aligned, split
 from .cost import HALF_BYTES, CostModel, Work, engine_tasks, npieces
 
 DIRECT_BYTES = 32 * 1024  # all_reduce below this: every rank reduces the whole vector itself
@@ -317,16 +316,14 @@ class Mesh(Algorithm):
             ctx.wait(ctx.main, p, Signal.DATA, SC_WORDS)
         ctx.main.submit(lambda: gates.expose(seq, {p: ctx.posted(p, Signal.DATA, SC_WORDS) for p in others}))
         _exchange(ctx, Signal.DATA, SC_RESULT, value=dst.ctypes.data)
-        # Out of place into a large output, where every rank has a core: reduce in cache and stream
-        # each piece out, so that the output's lines are not read before they are written (np=2
-        # 64 MiB: the reduction took 10.0 ms writing the output directly against 6.4 in place). With
-        # 4 ranks on 2 cores the extra pass cost more than it saved at 16-32 MiB (4-8% slower;
-        # results/2026-11-27-result-reuse.md).
-        streamed = src is not dst and not oversubscribed(ctx.topo) and ctx.stream_output()
-        pieces = 2 if streamed and len(others) > 1 else 1  # several peers: a second piece accumulates
-        step = max(1, aligned(min(PUSH_BYTES, ctx.ccl_out.nbytes // pieces), item) // item)
+        # The reduction writes the output itself, in place or not. Out of place, each piece used to
+        # be reduced in a second scratch piece and streamed out with non-temporal stores where
+        # every rank had a core (measured ahead before the push loop existed); with the push
+        # loop that pass cost more than the output lines' reads it saved: np=2, four interleaved
+        # rounds on the Intel VM, ms, streamed / direct: 16 MiB 8.1-13.5 / 5.8-7.8, 32 MiB
+        # 15.5-19.2 / 11.7-15.5, 64 MiB 25.2-30.9 / 22.3-29.2 (results/2026-11-27-oop-push.md).
+        step = max(1, aligned(min(PUSH_BYTES, ctx.ccl_out.nbytes), item) // item)
         scratch = ctx.typed(ctx.ccl_out, 0, min(step, b - a))
-        acc = ctx.typed(ctx.ccl_out, step * item, min(step, b - a)) if pieces == 2 else scratch
         op = ctx.call.op
 
         def reduce_share() -> None:  # one engine task: no event-loop round trip per piece
@@ -345,22 +342,19 @@ class Mesh(Algorithm):
                     shares.append((_pipe(link), at, None if mapped is None else mapped.view(src.dtype)))
                 owners += _push.owners(ctx.links, gates, others)
                 outputs = [(_pipe(link), ctx.posted(p, Signal.DATA, SC_RESULT)) for link, p, _, _ in owners]
-                tmp_at, out_at = int(scratch.ctypes.data), int((acc if streamed else dst).ctypes.data)
+                tmp_at, out_at = int(scratch.ctypes.data), int(dst.ctypes.data)
                 for lo in range(a, b, step):
                     hi = min(lo + step, b)
                     nbytes = (hi - lo) * item
                     tmp = scratch[:hi - lo]
-                    out = acc[:hi - lo] if streamed else dst[lo:hi]
+                    out = dst[lo:hi]
                     for i, (pipe, at, mapped) in enumerate(shares):
                         if mapped is None:
                             pipe.read(tmp_at, at + lo * item, nbytes)
                         ufunc(src[lo:hi] if i == 0 else out, tmp if mapped is None else mapped[lo - a:hi - a], out=out)
                     _push.check(gates, seq, op, r, owners)  # the owners' gates, before each piece
-                    piece_at = out_at if streamed else out_at + lo * item
                     for pipe, at in outputs:
-                        pipe.write(piece_at, at + lo * item, nbytes)
-                    if streamed:
-                        copy(dst[lo:hi], out, stream=True)
+                        pipe.write(out_at + lo * item, at + lo * item, nbytes)
             finally:
                 gates.done(seq)
                 shares.clear()  # views of peers' memory: an error's traceback keeps this frame
