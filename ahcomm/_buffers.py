@@ -42,6 +42,7 @@ SHM_PREFIX = "ahcomm-"
 _NAME = re.compile(rf"^{re.escape(SHM_PREFIX)}(\d+)-")
 MiB = 1 << 20
 MIN_SHRUNK = 1 * MiB  # the smallest CCL buffer fit() shrinks to; below that the job fails instead
+WORDS_PAGE = 4096  # what a CCL_Out's words (``WORDS``, past its bytes) add to its file at most
 log = logging.getLogger("ahcomm")
 
 
@@ -73,10 +74,12 @@ def fit(nbytes: int, local_ranks: int, *, shrink: bool, directory: str = SHM_DIR
     """The CCL buffer size to create: ``nbytes`` when ``local_ranks`` ranks' buffers (2 each) fit
     in ``directory``'s file system; else, when ``shrink``, the largest power of two (at least
     ``MIN_SHRUNK``) whose buffers fill at most half of it, with a warning; else ConfigError.
-    Decided from the file system's size, not its free room, so every rank of a host agrees."""
+    Decided from the file system's size, not its free room, so every rank of a host agrees.
+    Buffers as asked must fit with each CCL_Out's words (``WORDS``: a page past its bytes); shrunk
+    ones leave half the file system free anyway."""
     have = room(directory)
     local_ranks = max(1, local_ranks)
-    need = 2 * nbytes * local_ranks
+    need = (2 * nbytes + WORDS_PAGE) * local_ranks
     if have is None or need <= have[0]:
         return nbytes
     if shrink:

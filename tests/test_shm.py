@@ -184,6 +184,8 @@ def test_reserving_a_segment_that_does_not_fit_unlinks_it(monkeypatch: pytest.Mo
     (64, 2, True, 8 * MiB),  # Docker's default: 2 ranks x 2 x 8 MiB = half of it
     (64, 4, True, 4 * MiB),
     (1024, 4, True, 64 * MiB),  # fits as asked
+    (512, 4, True, 32 * MiB),  # the bytes alone would just fit, but each CCL_Out's words take a page more
+    (512, 4, False, None),
     (64, 2, False, None),  # a chosen size is never shrunk
     (2, 2, True, None),  # not even 1 MiB buffers fit
 ])
