@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import errno
 import os
 
 import numpy as np
@@ -142,6 +143,25 @@ def test_cma_hands_the_kernel_aligned_pairs(monkeypatch: pytest.MonkeyPatch, way
         pytest.skip(f"process_vm_{way}v on this process is not permitted here: {exc}")
     assert np.array_equal(dst, src)
     assert seen and all((local - remote) % LINE == 0 for local, remote in seen)
+
+
+@pytest.mark.parametrize("refused", ["none", "_readv", "_writev"])
+def test_cma_probe_needs_reads_and_writes_and_changes_nothing(monkeypatch: pytest.MonkeyPatch, refused: str) -> None:
+    """Single copy moves bytes both ways (reads, and mesh's push writes): a system-call filter
+    that refuses either call turns it off (the probe used to try reads only); the probed bytes
+    are left as they were."""
+    target = np.arange(64, dtype=np.uint8)
+    if not _cma.probe(os.getpid(), target.ctypes.data):
+        pytest.skip("process_vm_readv / writev on this process are not permitted here")
+    np.testing.assert_array_equal(target, np.arange(64, dtype=np.uint8))
+
+    def eperm(*args: object) -> int:
+        ctypes.set_errno(errno.EPERM)
+        return -1
+    if refused != "none":
+        monkeypatch.setattr(_cma, refused, eperm)
+    assert _cma.probe(os.getpid(), target.ctypes.data) is (refused == "none")
+    np.testing.assert_array_equal(target, np.arange(64, dtype=np.uint8))
 
 
 @pytest.mark.parametrize("offset", [0, 8, 24, 40])

@@ -112,9 +112,14 @@ def _failed(what: str, pid: int) -> OSError:
 
 
 def probe(pid: int, addr: int, nbytes: int = 64) -> bool:
-    """Whether we may read ``nbytes`` at ``addr`` in ``pid``."""
+    """Whether we may read ``nbytes`` at ``addr`` in ``pid`` and write them there: the bytes read
+    go back unchanged (``addr`` is memory the peer does not change meanwhile: its CCL_In at
+    start-up). The kernel's permission covers both calls, but a sandbox's system-call filter may
+    let one through and not the other, and a link's pipe does both (mesh's push writes)."""
     try:
-        read(pid, np.empty(nbytes, np.uint8), addr)
+        pipe, here = Pipe(pid), np.empty(nbytes, np.uint8)
+        pipe.read(here.ctypes.data, addr, nbytes)
+        pipe.write(here.ctypes.data, addr, nbytes)
         return True
     except OSError:
         return False
