@@ -105,6 +105,15 @@ class PeerFailure(CommunicationError):
         self.op = op
         self.seq = seq
 
+    def during(self, op: str, seq: int) -> "PeerFailure":
+        """This failure naming the collective it ended: itself where it names one already, else a
+        copy that does (a link's error, raised by a copy or a wait, names the peer only)."""
+        if self.seq is not None:
+            return self
+        named = PeerFailure(f"{self} during {op} #{seq}", self.rank, op=op, seq=seq)
+        named.__cause__, named.__traceback__ = self.__cause__, self.__traceback__
+        return named
+
 
 class CollectiveMismatchError(CommunicationError):
     """Ranks issued different collectives at the same sequence number (or a point-to-point

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import itertools
 import os
 import re
 from pathlib import Path
@@ -20,6 +21,7 @@ import numpy as np
 import pytest
 
 import ahcomm
+from ahcomm._config import usable_cores
 from ahcomm._memcopy import non_temporal
 from ahcomm._stream import ENGINE_THRESHOLD, NO_ENGINE
 from ahcomm.algorithms import direct
@@ -59,7 +61,10 @@ async def issue(comm: ahcomm.Comm, case: tuple[Any, ...]) -> Any:
 
 async def check_matrix(size: int, rng: np.random.Generator, counts: list[int] = COUNTS, transport: str = "inproc",
                        single_copy: bool = True) -> None:
+    """Every case on ``size`` ranks; where the host's cores (``direct._cores``, which a test may
+    set) are fewer than a broadcast's readers, its first readers forward."""
     todo = cases(rng, size, counts)
+    forward = direct.forwarders(size - 1, direct._cores()) > 0
 
     def after(comm: ahcomm.Comm) -> None:
         assert not busy_flags(comm)
@@ -77,12 +82,47 @@ async def check_matrix(size: int, rng: np.random.Generator, counts: list[int] = 
         for rank in range(size):
             np.testing.assert_array_equal(results[rank][0][k].reshape(-1), want)
     if size > 1:
-        assert all(set(paths) == {path} for _, paths in results), results[0][1]
+        forwarded = sum(op == "broadcast" and xs[0].size > 0 for op, xs, _, _ in todo)  # an empty call runs none
+        want = {path, "direct.forward"} if forward and single_copy and forwarded else {path}
+        assert all(set(paths) == want for _, paths in results), results[0][1]
+        assert all(paths.get("direct.forward", 0) == (forwarded if want != {path} else 0) for _, paths in results)
 
 
+@pytest.mark.parametrize("cores", [64, 2, 1])
 @pytest.mark.parametrize("size", SIZES)
-async def test_matrix_inproc(size: int, rng: np.random.Generator) -> None:
+async def test_matrix_inproc(size: int, cores: int, rng: np.random.Generator, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With a core per reader, or readers that share the cores evenly, each reads the root's
+    vector itself; else the first ``cores`` readers forward it to the others (2 cores: 4, 6 and 8
+    ranks; ``direct._broadcast``)."""
+    monkeypatch.setattr(direct, "_cores", lambda: cores)
     await check_matrix(size, rng)
+
+
+@pytest.mark.parametrize("size, cores", [(4, 2), (6, 2), (5, 3), (8, 3), (9, 5)])
+async def test_forwarders_split_the_vector_in_pieces(size: int, cores: int, rng: np.random.Generator,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Pieces of 40 bytes: shares of several pieces, uneven among the forwarders, a short last
+    piece, a vector smaller than one piece per forwarder; every root, in place or not."""
+    assert direct.forwarders(size - 1, cores) == cores
+    monkeypatch.setattr(direct, "_cores", lambda: cores)
+    monkeypatch.setattr(direct, "FORWARD_PIECE", 40)
+    await check_matrix(size, rng, counts=[0, 1, 3, 37, 1001, 30_011])
+
+
+def test_forwarders_where_readers_outnumber_the_cores_unevenly() -> None:
+    assert [direct.forwarders(readers, 2) for readers in range(1, 9)] == [0, 0, 2, 0, 2, 0, 2, 0]
+    assert [direct.forwarders(readers, 3) for readers in (3, 4, 5, 6, 7)] == [0, 3, 3, 0, 3]
+    assert direct.forwarders(5, 1) == direct.forwarders(5, 0) == 0  # one core: every reader in turn anyway
+
+
+def test_a_share_is_whole_pieces_but_the_last(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(direct, "FORWARD_PIECE", 40)
+    for nbytes in (0, 1, 39, 40, 41, 400, 1001):
+        for count in (1, 2, 3, 7):
+            spans = [direct._share(nbytes, count, i) for i in range(count)]
+            assert spans[0][0] == 0 and spans[-1][1] == nbytes
+            assert all(a[1] == b[0] for a, b in itertools.pairwise(spans))  # contiguous, in order
+            assert all(lo % direct.FORWARD_PIECE == 0 and lo <= hi for lo, hi in spans)
 
 
 @pytest.mark.parametrize("size", [2, 3])
@@ -316,24 +356,49 @@ def test_real_processes(n: int, no_cma: bool) -> None:
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out
     path = "staged" if no_cma else "single_copy"
+    forwarded = r"\('direct\.forward', \d+\), " if not no_cma and direct.forwarders(n - 1, usable_cores()) else ""
     for r in range(n):
         streamed = r"\('copy\.non_temporal', \d+\), " if non_temporal() else ""  # its 16 MiB all_gathers (staged too)
-        assert re.search(rf"\[{r}\] OK rank {r} single_copy {not no_cma} paths \[{streamed}\('direct\.{path}', \d+\)\]",
-                         out), out
+        assert re.search(rf"\[{r}\] OK rank {r} single_copy {not no_cma} paths \[{streamed}{forwarded}"
+                         rf"\('direct\.{path}', \d+\)\]", out), out
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("n", [2, 3])
-def test_a_killed_peer_fails_the_others(n: int, tmp_path: Path) -> None:
+@pytest.mark.parametrize("victim", [3, 1])
+def test_no_forwarder_writes_into_a_failed_readers_output(victim: int) -> None:
+    """A reader whose broadcast fails (an abort) while the forwarders' slowed writes into its
+    output go on: its call raises soon, and its output stays as it is after that (a forwarder
+    looks at the reader's gate before each piece; the reader waits for each forwarder's release).
+    Rank 3 only receives; rank 1 forwards too, and rank 2 writes the other half of its output."""
+    proc = run_job(4, str(HERE / "mp_forward_abort.py"), timeout=120, env={
+        "PYTHONPATH": f"{HERE}{os.pathsep}{HERE.parent}", "AHCOMM_TRANSPORT": "sdma", "AHCOMM_CORES": "2",
+        "VICTIM": str(victim)})
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    match = re.search(rf"\[{victim}\] STABLE ([\d.]+)", out)
+    assert match is not None, out
+    assert float(match.group(1)) < 1.5, out  # the victim raised soon after its abort
+    unwritten = re.search(rf"\[{victim}\] UNWRITTEN (\d+)", out)
+    assert unwritten is not None and int(unwritten.group(1)) > 0, out  # the forwarders' writes were cut short
+    for r in set(range(4)) - {victim}:
+        assert re.search(rf"\[{r}\] FAILED (PeerFailure|CommClosedError)", out), out
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("n, ops", [(2, "all"), (3, "all"), (4, "all"), (4, "broadcast")])
+def test_a_killed_peer_fails_the_others(n: int, ops: str, tmp_path: Path) -> None:
+    """Told they share 2 cores, 4 ranks' broadcasts forward: the victim (rank 1) forwards, reads
+    or is the root in turn; every other rank raises naming it and the collective."""
     proc = run_job(n, str(HERE / "mp_direct.py"), timeout=120, grace=20, env={
         "PYTHONPATH": f"{HERE}{os.pathsep}{HERE.parent}", "AHCOMM_TRANSPORT": "sdma", "MODE": "kill",
-        "KILL_FILE": str(tmp_path / "killed"), "AHCOMM_EXEC_TIMEOUT": "60"})
+        "KILL_FILE": str(tmp_path / "killed"), "AHCOMM_EXEC_TIMEOUT": "60", "AHCOMM_CORES": "2", "OPS": ops})
     out = proc.stdout + proc.stderr
     assert proc.returncode == 128 + 9, out  # the victim's SIGKILL is the job's status
     lines = re.findall(r"\[(\d+)\] DETECTED rank \d+ type=(\w+) cause=(\w+) after=([\d.]+) msg=(.*)", proc.stdout)
     assert sorted(int(rank) for rank, *_ in lines) == [r for r in range(n) if r != 1], out
     for _, kind, cause, after, msg in lines:
         assert "PeerFailure" in (kind, cause) and "rank 1" in msg, out
+        assert re.search(r"(broadcast|all_gather) #\d+", msg), out
         assert float(after) < 15, out
 
 

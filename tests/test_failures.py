@@ -58,6 +58,30 @@ async def test_failing_single_copy_read_fails_every_rank(monkeypatch: pytest.Mon
     await close_all(comms)
 
 
+@pytest.mark.parametrize("algo", ["direct", "mesh"])
+async def test_a_peer_lost_during_a_copy_is_named_with_the_call(algo: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A link's copy that finds its peer gone raises a PeerFailure naming the peer only; the rank
+    that hit it raises it naming the collective and its sequence number too (the executor), as
+    every other rank's error does."""
+    def gone(self: inproc.InprocLink, dst: np.ndarray, addr: int, run: object) -> None:
+        raise ahcomm.PeerFailure(f"rank {self.peer} is lost: its process is gone", rank=self.peer)
+
+    monkeypatch.setattr(inproc.InprocLink, "read", gone)
+    comms = await ahcomm.init_inprocess(2)
+    futs = [c.all_gather(np.ones(1 << 20, np.float32), algorithm=algo) for c in comms]
+    results = await asyncio.wait_for(asyncio.gather(*futs, return_exceptions=True), 5)
+    assert all(isinstance(r, ahcomm.PeerFailure) for r in results), results
+    assert any("is lost" in str(r) for r in results), results
+    for r in results:
+        assert isinstance(r, ahcomm.PeerFailure) and r.op == "all_gather" and r.seq == 0, (r, r.op, r.seq)
+        assert "all_gather #0" in str(r), r
+    await close_all(comms)
+    named = ahcomm.PeerFailure("rank 3 is lost", rank=3)
+    again = named.during("broadcast", 4)
+    assert (again.rank, again.op, again.seq, str(again)) == (3, "broadcast", 4, "rank 3 is lost during broadcast #4")
+    assert again.during("all_gather", 5) is again  # a failure that names its call keeps it
+
+
 @pytest.mark.parametrize("algo", ["ring", "mesh"])
 async def test_out_overlapping_the_input(algo: str) -> None:
     n, m = 4, 8

@@ -62,6 +62,31 @@ def test_a_writer_stops_at_a_closed_gate_naming_the_peer_op_and_seq(seq: int, ma
         _push.check(mine, seq, "all_reduce", 0, owners)
 
 
+@pytest.mark.parametrize("mapped", [False, True], ids=["kernel", "mapped"])
+@pytest.mark.parametrize("how", ["close", "shut"])
+def test_a_writer_stopped_by_a_peer_names_the_rank_whose_failure_ended_that_peers_call(mapped: bool,
+                                                                                   how: str) -> None:
+    """Rank 1's call ended because rank 3 was lost: rank 0, writing into rank 1's output, names
+    rank 3 (the first failure; its own call then ends on rank 3's failure too). A later failure
+    does not overwrite the cause, and the next call starts with none."""
+    mine, owner = Gates(), Gates()
+    mine.open(7)
+    owner.open(7)
+    link = WordLink(1)
+    owners: list[_push.Owner] = [(link, 1, owner.address, owner.words if mapped else None)]  # type: ignore[list-item]
+    if how == "close":  # the call failed there (the algorithm's settle)
+        owner.close(7, _push.cause_of(ahcomm.PeerFailure("rank 3 is lost", rank=3)))
+    else:  # Executor.abort
+        owner.shut(3)
+    owner.close(7, 2)  # later: the first cause stands
+    with pytest.raises(ahcomm.PeerFailure, match=r"rank 1 ended all_reduce #7 on rank 3's failure before") as info:
+        _push.check(mine, 7, "all_reduce", 0, owners)
+    assert info.value.rank == 3
+    owner.open(8)
+    assert int(owner.words[_push.CAUSE]) == 0
+    assert _push.cause_of(RuntimeError("no rank")) is None
+
+
 def test_a_writer_stops_when_its_own_call_failed_or_its_communicator_aborted() -> None:
     mine = Gates()
     mine.open(3)
@@ -78,11 +103,11 @@ def test_bind_carries_the_words_over_and_the_address_follows() -> None:
     gates = Gates()
     gates.open(4)
     gates.done(3)
-    shared = np.zeros(3, np.int64)
+    shared = np.zeros(1 + _push.WORDS, np.int64)
     gates.bind(shared[1:])  # as Executor.bind does with the CCL_Out's words
-    assert shared.tolist() == [0, 5, 4] and gates.address == shared[1:].ctypes.data
+    assert shared.tolist() == [0, 5, 4, 0] and gates.address == shared[1:].ctypes.data
     assert gates.is_open(4) and gates.released(3)
-    gates.bind(np.zeros(2, np.int64))  # suspended: no view of the buffers kept
+    gates.bind(np.zeros(_push.WORDS, np.int64))  # suspended: no view of the buffers kept
     assert gates.is_open(4) and gates.address != shared[1:].ctypes.data
     assert shared[1] == 0  # the old words read closed to a peer still looking at them
 
@@ -91,11 +116,11 @@ def test_a_loop_still_running_at_a_bind_releases_into_the_old_words_too() -> Non
     """A push loop that outlived settle's wait may end after close or suspend moved the words
     (helper-52): its release must show where the peers look, the old words."""
     gates = Gates()
-    first = np.zeros(2, np.int64)
+    first = np.zeros(_push.WORDS, np.int64)
     gates.bind(first)
     gates.open(3)
     assert gates.begin(3)
-    gates.bind(np.zeros(2, np.int64))  # Executor.close while the loop runs
+    gates.bind(np.zeros(_push.WORDS, np.int64))  # Executor.close while the loop runs
     assert first[GATE] == 0 and first[_push.RELEASED] == 0
     gates.done(3)
     assert first[_push.RELEASED] == 4 and gates.released(3)
@@ -108,8 +133,8 @@ def test_a_peer_failures_traceback_keeps_no_view_of_the_peers_words() -> None:
     import weakref
     mine = Gates()
     mine.open(2)
-    words = np.zeros(4, np.int64)
-    view = words[1:3]  # the owner's gate closed
+    words = np.zeros(1 + _push.WORDS, np.int64)
+    view = words[1:]  # the owner's gate closed
     alive = weakref.ref(view)
     owners: list[_push.Owner] = [(WordLink(1), 1, int(view.ctypes.data), view)]  # type: ignore[list-item]
     with pytest.raises(ahcomm.PeerFailure) as info:

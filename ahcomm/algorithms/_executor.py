@@ -17,11 +17,12 @@ from typing import Any
 import numpy as np
 
 from .._buffers import CclBuffers
+from .._errors import PeerFailure
 from .._memcopy import copy
 from .._stream import Stream, engine_bytes_for
 from .._trace import Tracer
 from ..transports.base import Link, LinkEvents, Mailboxes
-from ._push import Gates
+from ._push import WORDS, Gates, cause_of
 from .base import ALIGN, WHOLE, Algorithm, Call, Context, Resources, Topology
 
 RESOURCE_CACHE = 256  # entries of the per-communicator resources cache
@@ -134,7 +135,7 @@ class Executor:
         # (offset, CCL_In half, CCL_Out half) used by collectives of even and of odd sequence number
         self._halves = [(p, buffers.ccl_in.array[p:p + h], buffers.ccl_out.array[p:p + h]) for p in (0, h)]
         words = buffers.ccl_out.words
-        self.gates.bind(words[1:3] if words.size >= 3 else None)  # word 0: their address
+        self.gates.bind(words[1:1 + WORDS] if words.size > WORDS else None)  # word 0: their address
 
     def release(self) -> None:
         """Drop every view of the CCL buffers, the scratch region and the mailboxes (``Comm.suspend``)."""
@@ -232,6 +233,11 @@ class Executor:
             self._ctx = ctx
             try:
                 await algorithm.orchestrate(ctx)
+            except PeerFailure as exc:  # a link's error names the peer only: say which call it ended
+                named = exc.during(call.op, call.seq)
+                if named is exc:
+                    raise
+                raise named from exc.__cause__
             finally:
                 self._ctx = None
         self._let_go()  # the run is over: its caller's arrays are not kept
@@ -318,7 +324,7 @@ class Executor:
 
     def abort(self, error: BaseException) -> None:
         self._error = error
-        self.gates.shut()  # no peer writes into this rank's output any more, nor its own push loop
+        self.gates.shut(cause_of(error))  # no peer writes into this rank's output any more, nor its own push loop
         if self._ctx is not None:
             self._ctx.fail(error)
         self.progress.fail(error)

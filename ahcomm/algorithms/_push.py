@@ -1,4 +1,5 @@
-"""Writes into peers' outputs that stop when the output's owner stops (mesh's single-copy all_reduce).
+"""Writes into peers' outputs that stop when the output's owner stops (mesh's single-copy
+all_reduce, direct's forwarded broadcast).
 
 Mesh's single-copy all_reduce pushes: each rank writes every piece of its reduced share into
 each peer's output (``DataLink.pipe``: ``process_vm_writev``) while the piece is still in its
@@ -18,7 +19,9 @@ sequence number plus one, so that 0 means "none" (a communicator's first call is
   gate before each piece it writes there, and stops (``PeerFailure``) at a closed one. An abort
   closes it at once (``Gates.shut``), so that this rank's own loop stops too;
 - its *release*: the last call for which it writes into no peer any more, set when its push
-  loop ends, however it ends, or when its call fails before the loop began.
+  loop ends, however it ends, or when its call fails before the loop began;
+- its *cause*: the rank whose failure ended its call (plus one; 0: none known), set before the
+  gate closes, so that a writer stopped there names the rank that failed first.
 
 A rank posts its output's address only once it holds every peer's words' address (the run's
 first round), and marks the call *exposed* then. A call that fails after that closes its gate
@@ -39,9 +42,10 @@ from collections.abc import Mapping
 import numpy as np
 
 from .._errors import PeerFailure
-from ..transports.base import DataLink
+from ..transports.base import DataLink, Pipe
 
-GATE, RELEASED = 0, 1  # the words' indexes
+GATE, RELEASED, CAUSE = 0, 1, 2  # the words' indexes
+WORDS = 3
 WORD = 8  # bytes of one word (int64)
 RELEASE_WAIT = 1.0  # seconds a failed call waits for its writers' releases at most
 POLL = 0.001  # seconds between two looks at the releases
@@ -54,7 +58,7 @@ class Gates:
     """One communicator's side of the protocol: its words, the calls' state, the peers' words."""
 
     def __init__(self) -> None:
-        self.words = np.zeros(2, np.int64)  # [gate, release] (a call's seq + 1; 0: none); see ``bind``
+        self.words = np.zeros(WORDS, np.int64)  # [gate, release, cause] (seq + 1, rank + 1; 0: none); ``bind``
         self.peers: dict[int, int] = {}  # peer -> address of its words (the current call's)
         self._lock = threading.Lock()  # the push loop may run on a copy engine's thread
         self._seq = -1
@@ -67,13 +71,13 @@ class Gates:
         return int(self.words.ctypes.data)
 
     def bind(self, words: np.ndarray | None) -> None:
-        """Keep the words in ``words`` (two int64s; None: private ones) from now on, their values
+        """Keep the words in ``words`` (``WORDS`` int64s; None: private ones) from now on, their values
         carried over: the CCL buffers' words at creation and after ``Comm.resume``, private ones
         while suspended or closed (no view may keep the buffers mapped). Between calls: each call
         posts the address anew; a loop still running (one that outlived ``settle``'s wait)
         releases into the old words too, where its peers look."""
         with self._lock:
-            old, self.words = self.words, np.zeros(2, np.int64) if words is None else words
+            old, self.words = self.words, np.zeros(WORDS, np.int64) if words is None else words
             self.words[:] = old
             old[GATE] = 0  # a peer still looking at the old ones finds them closed
             self._stale = old if self._state == _RUNNING else None
@@ -83,6 +87,7 @@ class Gates:
         with self._lock:
             self._seq, self._state = seq, _PENDING
         self.peers = {}
+        self.words[CAUSE] = 0
         self.words[GATE] = seq + 1
 
     def expose(self, seq: int, peers: Mapping[int, int]) -> None:
@@ -108,19 +113,27 @@ class Gates:
     def is_open(self, seq: int) -> bool:
         return int(self.words[GATE]) == seq + 1
 
-    def shut(self) -> None:
-        """The communicator aborts: no more writes into this rank's output, nor out of its loop."""
-        self.words[GATE] = 0
+    def shut(self, cause: int | None = None) -> None:
+        """The communicator aborts (``cause``: on that rank's failure): no more writes into this
+        rank's output, nor out of its loop."""
+        self._closing(cause)
 
-    def close(self, seq: int) -> bool:
-        """The call failed: close the gate; a loop that has not begun never will. Whether this
-        rank's own loop is still running (``settle`` waits for it)."""
-        self.words[GATE] = 0
+    def close(self, seq: int, cause: int | None = None) -> bool:
+        """The call failed (``cause``: on that rank's failure): close the gate; a loop that has not
+        begun never will. Whether this rank's own loop is still running (``settle`` waits for it).
+        The gate's store comes before the caller's next loads: the lock taken after it is a locked
+        instruction (a full fence)."""
+        self._closing(cause)
         with self._lock:
             if self._seq == seq and self._state == _PENDING:
                 self._state = _IDLE
                 self._release(seq)
             return self._seq == seq and self._state == _RUNNING
+
+    def _closing(self, cause: int | None) -> None:
+        if cause is not None and int(self.words[GATE]) != 0:  # the first failure's rank stands
+            self.words[CAUSE] = cause + 1  # before the gate: a writer that finds it closed finds why
+        self.words[GATE] = 0
 
     def released(self, seq: int) -> bool:
         return int(self.words[RELEASED]) > seq
@@ -135,6 +148,13 @@ class Gates:
             self._stale = None
 
 
+def pipe(link: DataLink) -> Pipe:
+    """``link``'s pipe (single copy runs only where every link gives one)."""
+    made = link.pipe()
+    assert made is not None, "single copy runs only where every link has a pipe"
+    return made
+
+
 Owner = tuple[DataLink, int, int, "np.ndarray | None"]  # (link, peer, words' address, the words mapped here)
 
 
@@ -147,16 +167,21 @@ def check(gates: Gates, seq: int, op: str, rank: int, owners: list[Owner]) -> No
     for link, peer, at, mapped in owners:
         gate = int(mapped[GATE]) if mapped is not None else link.read_word(at + GATE * WORD)
         if gate != seq + 1:
+            cause = (int(mapped[CAUSE]) if mapped is not None else link.read_word(at + CAUSE * WORD)) - 1
             mapped = None  # the error's traceback must not keep the peer's buffer mapped
-            raise PeerFailure(f"rank {peer} ended {op} #{seq} (it failed there) before rank {rank} had written "
-                              f"its share into rank {peer}'s output: rank {rank} stopped", rank=peer, op=op, seq=seq)
+            why = f"on rank {cause}'s failure" if cause >= 0 else "(it failed there)"
+            raise PeerFailure(f"rank {peer} ended {op} #{seq} {why} before rank {rank} had written its share into "
+                              f"rank {peer}'s output: rank {rank} stopped", rank=cause if cause >= 0 else peer,
+                              op=op, seq=seq)
 
 
-async def settle(gates: Gates, links: Mapping[int, DataLink], seq: int, op: str) -> None:
-    """After a failed call (``seq``): close the gate, then wait until no peer (nor this rank's
-    own loop) may still write into the call's output: each has released the call or is gone;
-    at most ``RELEASE_WAIT``. A cancellation meanwhile is raised once the wait is over."""
-    running = gates.close(seq)
+async def settle(gates: Gates, links: Mapping[int, DataLink], seq: int, op: str,
+                 cause: int | None = None) -> None:
+    """After a failed call (``seq``; ``cause``: on that rank's failure): close the gate, then wait
+    until no peer (nor this rank's own loop) may still write into the call's output: each has
+    released the call or is gone; at most ``RELEASE_WAIT``. A cancellation meanwhile is raised
+    once the wait is over."""
+    running = gates.close(seq, cause)
     pending = dict(gates.peers) if gates.exposed(seq) else {}
     deadline = time.monotonic() + RELEASE_WAIT
     cancelled: asyncio.CancelledError | None = None
@@ -190,7 +215,12 @@ def owners(links: Mapping[int, DataLink], gates: Gates, peers: list[int]) -> lis
     """(link, peer, words' address, its words mapped here or None) of each peer this rank writes
     into. A cross-process look through the kernel cost 6-9 us a piece on the Intel VM, and slowed
     the copies beside it (a 2-process copy of the 64 MiB loop: 14.8-14.9 ms a call against 12.1-12.2)."""
-    return [(links[p], p, gates.peers[p], links[p].words(gates.peers[p], 2)) for p in peers]
+    return [(links[p], p, gates.peers[p], links[p].words(gates.peers[p], WORDS)) for p in peers]
 
 
-__all__ = ["Gates", "check", "owners", "settle"]
+def cause_of(error: BaseException) -> int | None:
+    """The rank whose failure ``error`` reports (a ``PeerFailure``'s), if any."""
+    return error.rank if isinstance(error, PeerFailure) else None
+
+
+__all__ = ["Gates", "cause_of", "check", "owners", "pipe", "settle"]

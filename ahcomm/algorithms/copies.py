@@ -36,8 +36,10 @@ _TABLE: dict[tuple[str, str, bool], tuple[int, int, str]] = {
                                             "writes the share to its slot, every peer copies it out"),
     ("direct", "all_gather", True): (0, 1, f"every peer reads the owner's user buffer ({_READ}); "
                                           "addresses and completion through the mailboxes"),
-    ("direct", "broadcast", True): (0, 1, f"every peer reads the root's user buffer ({_READ}); "
-                                          "addresses and completion through the mailboxes"),
+    ("direct", "broadcast", True): (0, 1, f"every peer reads the root's user buffer ({_READ}); where "
+                                          "the readers outnumber the cores unevenly, one per core reads a "
+                                          "share and writes it into the others' outputs from its cache "
+                                          "(process_vm_writev); addresses and completion through the mailboxes"),
     ("direct", "all_gather", False): (1, 1, "no single copy here: oneshot's mailbox slots, slice by slice"),
     ("direct", "broadcast", False): (1, 1, "no single copy here: oneshot's mailbox slots, slice by slice"),
     ("star", "all_gather", False): (1, 1, "owner stages in CCL_In, every rank copies it out"),

@@ -7,29 +7,33 @@ process). Nothing is staged in a CCL buffer or mailbox slot.
 
 A run is two mailbox publications (``transports.mailbox``, as ``oneshot`` uses them):
 
-1. every rank publishes the address of its input (broadcast: the root only; the others a
-   header), and waits until every peer's publication is there (the fingerprints checked);
+1. every rank publishes the address of its input (broadcast: the root, with how many readers
+   forward; the others their output's and their gate's), and waits until every peer's
+   publication is there (the fingerprints checked);
 2. each receiver reads what it needs. broadcast: the root's vector, in slices on up to two
-   threads where the host's cores allow (ctypes releases the GIL). all_gather: its own
-   block's local copy and every peer's block, whole rows where the host's inputs and outputs
-   fit its last-level cache (split among the lanes), else interleaved chunk by chunk
-   (``CHUNK_BYTES``), every rank in the same order, so that a block's chunk is still in the
-   cache when the others read it (``chunk_bytes``); where the host's ranks outnumber its
-   cores, the copy loop yields its core after each chunk. A rank's copies below
-   ``INLINE_BYTES`` (16 MiB) run inline on the event loop's thread, and all of them where
-   it copies on one lane and its host has no core to spare (as the streams' copies do);
+   threads where the host's cores allow (ctypes releases the GIL); where its readers outnumber
+   the host's cores unevenly, the first readers forward instead (``_broadcast``: each reads a
+   share and writes it into the other readers' outputs). all_gather: its own block's local copy
+   and every peer's block, whole rows where the host's inputs and outputs fit its last-level
+   cache (split among the lanes), else interleaved chunk by chunk (``CHUNK_BYTES``), every rank
+   in the same order, so that a block's chunk is still in the cache when the others read it
+   (``chunk_bytes``); where the host's ranks outnumber its cores, the copy loop yields its core
+   after each chunk. A rank's copies below ``INLINE_BYTES`` (16 MiB) run inline on the event
+   loop's thread, and all of them where it copies on one lane and its host has no core to spare
+   (as the streams' copies do);
 3. every rank publishes "done" and waits for every peer's: no rank returns, and so reuses
    or frees the buffer its peers read, before every reader has finished.
 
-Only a rank itself writes into its output: a run that fails or is cancelled stops its own
-copies before it returns (reading peers' memory instead of writing it keeps a failed peer's
-late copies out of a buffer its owner may already reuse).
+A rank that reads stops its own copies before its call returns, failed or cancelled. A
+forwarder's writes into another reader's output stop where that reader's call has ended
+(``_push``'s gates: the forwarder looks at the reader's gate before each piece, and a reader
+whose call fails closes its gate and waits for each forwarder's release).
 
 Where a rank cannot read its peers' memory (``Topology.single_copy`` false: the kernel's
 ptrace policy, a container, ``AHCOMM_SINGLE_COPY=0``) the run falls back to ``oneshot``'s
 staged path in slot-sized slices; the selector does not pick direct there (no estimate),
 but a call that names it still runs. ``comm.stats()["paths"]`` counts which path ran
-(``direct.single_copy``, ``direct.staged``).
+(``direct.single_copy``, ``direct.staged``; ``direct.forward`` too for a forwarded broadcast).
 
 A peer that dies fails the run: a read of a dead process raises ``PeerFailure``, and the
 executor fails the mailbox wait of every other rank (as for oneshot).
@@ -49,10 +53,12 @@ import numpy as np
 
 from .._config import last_level_cache
 from .._config import usable_cores as _cores  # a name tests replace
+from .._errors import PeerFailure
 from .._memcopy import copy
 from .._stream import NO_ENGINE, engine_bytes_for
-from ..transports.base import DataLink
+from ..transports.base import DataLink, Mailboxes
 from . import _mailbox_sync as sync
+from . import _push
 from .base import Algorithm, Call, Context, Resources, Topology, oversubscribed
 from .cost import CostModel, Work
 from .oneshot import STEP, OneShot
@@ -96,6 +102,7 @@ INLINE_BYTES = 16 << 20
 # 4 MiB 1204 / 1325, 8 MiB 2517 / 2614 (results/2026-11-25-bw2.md).
 MIN_BYTES = {"all_gather": 1 << 20, "broadcast": 2 << 20}
 THREADS = 2  # copy threads per rank at most (AHCOMM_DIRECT_THREADS), used where cores allow
+FORWARD_PIECE = 1 << 20  # a forwarder's piece (``_forward``): read, then written from the cache to each reader
 
 _FALLBACK = OneShot()
 _POOLS: dict[int, ThreadPoolExecutor] = {}
@@ -202,32 +209,174 @@ class Direct(Algorithm):
             await sync.settle(ctx)  # a broadcast's non-root waited for the root only: direct's runs are exchanged
             return
         ctx.tally("direct.single_copy")
+        if ctx.call.op == "broadcast":
+            await _broadcast(ctx)
+            return
         box = ctx.mailbox
         assert box is not None, "direct runs only where the executor has a mailbox"
         call, n, r = ctx.call, ctx.size, ctx.rank
         src, dst = ctx.src, ctx.dst
-        root = call.root
-        mine = None if call.op == "broadcast" and r != root else _address(src)
-        tick, _ = await sync.publish(ctx, mine)
+        tick, _ = await sync.publish(ctx, _address(src))
         await sync.arrivals(ctx, tick)
         # Only this rank writes into its output (reads of the peers' inputs): a call that fails or
         # is cancelled stops its own copies before it returns, and nothing else writes there.
         moves: list[Move] = []
-        local = (dst[r], src) if call.op == "all_gather" else (dst, src) if r == root else None
-        if local is not None and not np.shares_memory(*local):
-            moves.append(_copying(local[0], local[1], ctx.stream_output()))
-        if call.op == "broadcast":
-            if r != root:
-                moves.append(_reading(ctx.links[root], dst, int(box.payload(root, tick).view(np.int64)[0])))
-        else:  # dst: (n, count), rows contiguous; peers in turn from the next rank on (not all at rank 0 first)
-            for p in ((r + k) % n for k in range(1, n)):
-                moves.append(_reading(ctx.links[p], dst[p], int(box.payload(p, tick).view(np.int64)[0])))
+        if not np.shares_memory(dst[r], src):
+            moves.append(_copying(dst[r], src, ctx.stream_output()))
+        for p in ((r + k) % n for k in range(1, n)):  # dst: (n, count), rows contiguous; peers in turn from the next
+            moves.append(_reading(ctx.links[p], dst[p], int(box.payload(p, tick).view(np.int64)[0])))
         footprint = n * (src.nbytes + dst.nbytes)  # the host's inputs and outputs (direct runs on one host)
         lanes = threads(call, ctx.topo)
         await _copy_all(moves, lanes, oversubscribed(ctx.topo, _cores()), footprint, on_loop(ctx.topo, lanes))
-        tick, _ = box.publish(call.seq, ctx.fingerprint)  # done reading: the owners may go on (nothing loose)
-        # A broadcast's root waits here for the whole read: sleeping at once keeps its spin for short waits
-        await sync.arrivals(ctx, tick, may_spin=call.op != "broadcast" or r != root)
+        await _finish(ctx)
+
+
+async def _finish(ctx: Context) -> None:
+    """The run's last round: "done reading" from every rank, and every peer's awaited (no rank
+    returns while a peer may still read its input, or write its output)."""
+    box = ctx.mailbox
+    assert box is not None
+    call = ctx.call
+    tick, _ = box.publish(call.seq, ctx.fingerprint)  # nothing loose: every peer's first publication was seen
+    # A broadcast's root waits here for the whole read: sleeping at once keeps its spin for short waits
+    await sync.arrivals(ctx, tick, may_spin=call.op != "broadcast" or ctx.rank != call.root)
+
+
+def forwarders(readers: int, cores: int) -> int:
+    """How many of a broadcast's readers forward (``_broadcast``): one per core where the readers
+    outnumber the host's cores and cannot share them evenly, else none (each reader reads its
+    whole output itself). Three readers on two cores: one reads alone, two share a core, and the
+    last finishes alone; two forwarders keep both cores busy to the end. Measured on 2 cores, 32
+    MiB, forwarded against read whole (results/2026-11-27-forward.md): np=4 9.8-14.0 ms against
+    12.5-15.8 (64 MiB 20.7-25.0 against 25.1-28.8), np=6 17.5-20.1 against 18.8-21.2, np=8 level;
+    but np=5 and np=7, whose readers share the cores evenly, 7-20% slower."""
+    cores = max(1, cores)
+    return cores if readers > cores and readers % cores else 0
+
+
+async def _broadcast(ctx: Context) -> None:
+    """A single-copy broadcast. Round one: the root publishes its input's address and how many
+    readers forward (``forwarders``, its decision for every rank); each reader its output's
+    address and its gate's (``_push``). Then each reader reads the root's vector into its
+    output; or, where some forward, each forwarder reads its share of it piece by piece and writes
+    each piece into the other readers' outputs while the piece is in its cache (a 4-process copy
+    of 32 MiB with raw system calls took 8.2-9.9 ms a call forwarded against 10.1-10.6 read whole;
+    results/2026-11-27-forward.md). Round two: "done" from every rank (``_finish``).
+
+    A reader whose call fails closes its gate and waits until no forwarder may still write into
+    its output (``_settle``)."""
+    box, gates = ctx.mailbox, ctx.gates
+    assert box is not None and gates is not None, "direct runs only where the executor has a mailbox and gates"
+    call, n, r = ctx.call, ctx.size, ctx.rank
+    root, seq = call.root, call.seq
+    readers = [(root + k) % n for k in range(1, n)]
+    if r == root:
+        mine = np.array([ctx.src.ctypes.data, forwarders(n - 1, _cores())], np.int64)
+    else:
+        gates.open(seq)  # before the output's address goes out: forwarders may write it from then on
+        mine = np.array([ctx.dst.ctypes.data, gates.address], np.int64)
+    tick: int | None = None
+    try:
+        tick, _ = await sync.publish(ctx, mine)
+        await sync.arrivals(ctx, tick)
+        at, count = (int(v) for v in box.payload(root, tick).view(np.int64)[:2])
+        if count:
+            ctx.tally("direct.forward")
+        if r == root or not count:  # the root's own copy, or a reader's whole read
+            if r == root:
+                move = None if np.shares_memory(ctx.dst, ctx.src) else _copying(ctx.dst, ctx.src, ctx.stream_output())
+            else:
+                gates.done(seq)  # writes into no peer's output, and no peer into this one
+                move = _reading(ctx.links[root], ctx.dst, at)
+            lanes = threads(call, ctx.topo)
+            if move is not None:
+                await _copy_all([move], lanes, oversubscribed(ctx.topo, _cores()), inline=on_loop(ctx.topo, lanes))
+        else:
+            posted = {p: [int(v) for v in box.payload(p, tick).view(np.int64)[:2]] for p in readers if p != r}
+            senders = readers[:count]
+            gates.expose(seq, {p: posted[p][1] for p in senders if p != r})
+            if r in senders:
+                _forward(ctx, at, _share(ctx.dst.nbytes, count, senders.index(r)), posted)
+            else:
+                gates.done(seq)  # writes into no peer's output
+        await _finish(ctx)
+    except BaseException as exc:
+        if r != root:
+            await _settle(ctx, tick, readers, _push.cause_of(exc))
+        raise
+
+
+def _share(nbytes: int, count: int, index: int) -> tuple[int, int]:
+    """Forwarder ``index``'s bytes [lo, hi) of ``count``: whole pieces (``FORWARD_PIECE``) but the last."""
+    pieces = -(-nbytes // FORWARD_PIECE)
+    lo, hi = (pieces * index // count, pieces * (index + 1) // count)
+    return lo * FORWARD_PIECE, min(nbytes, hi * FORWARD_PIECE)
+
+
+def _forward(ctx: Context, at: int, share: tuple[int, int], posted: dict[int, list[int]]) -> None:
+    """Read ``share`` of the root's vector (at ``at``) into this reader's output piece by piece
+    (out of the root's ``ahcomm.alloc`` memory where this rank maps it, else through the
+    kernel), and write each piece into every other reader's output (``posted``: its address and
+    its gate's) while it is in the cache; each owner's gate is looked at before each piece
+    (``_push.check``: it stops at one a failed call closed). Inline, on the event loop's thread:
+    forwarding runs only where the readers outnumber the cores (no core to hand a copy to)."""
+    gates, call, r = ctx.gates, ctx.call, ctx.rank
+    assert gates is not None
+    if not gates.begin(call.seq):  # the call already failed here: write nothing, and say so
+        raise PeerFailure(f"rank {r}'s {call.op} #{call.seq} ended before it forwarded its share", rank=r,
+                          op=call.op, seq=call.seq)
+    owners: list[_push.Owner] = []
+    lo, hi = share
+    try:
+        owners += [(ctx.links[p], p, words, ctx.links[p].words(words, _push.WORDS)) for p, (_, words) in posted.items()]
+        mapped = ctx.links[call.root].view(at + lo, hi - lo) if hi > lo else None
+        source = _push.pipe(ctx.links[call.root])
+        outputs = [(_push.pipe(ctx.links[p]), out) for p, (out, _) in posted.items()]
+        mine = ctx.dst.reshape(-1).view(np.uint8)
+        here = int(mine.ctypes.data)
+        for piece in range(lo, hi, FORWARD_PIECE):
+            nbytes = min(FORWARD_PIECE, hi - piece)
+            if mapped is not None:
+                copy(mine[piece:piece + nbytes], mapped[piece - lo:piece - lo + nbytes])
+            else:
+                source.read(here + piece, at + piece, nbytes)
+            _push.check(gates, call.seq, call.op, r, owners)
+            for pipe, out in outputs:
+                pipe.write(here + piece, out + piece, nbytes)
+    finally:
+        gates.done(call.seq)
+        owners.clear()  # views of peers' memory: an error's traceback keeps this frame
+        mapped = None
+
+
+def _posted(box: Mailboxes, owner: int, tick: int, mine: tuple[int, int]) -> np.ndarray | None:
+    """The two int64s ``owner`` published at ``tick`` for this call, or None (not yet, or its slot
+    holds a later publication by now: the owner saw this rank's "done", so it writes no more)."""
+    if box.arrived(owner, tick) != mine:
+        return None
+    words = box.payload(owner, tick).view(np.int64)[:2].copy()
+    return words if words.size == 2 and box.arrived(owner, tick) == mine else None
+
+
+async def _settle(ctx: Context, tick: int | None, readers: list[int], cause: int | None) -> None:
+    """A reader's failed call: close its gate, then wait until no forwarder may still write into
+    its output (``_push.settle``; ``cause``: the rank whose failure ended the call, for the
+    forwarders' errors). A forwarder writes only after it has seen the root's
+    publication and made its own; a reader that does not see one of them after closing its gate
+    (``Gates.close`` fences) is past every look that forwarder could take of the gate open."""
+    box, gates = ctx.mailbox, ctx.gates
+    assert box is not None and gates is not None
+    seq, mine = ctx.call.seq, (ctx.call.seq, ctx.fingerprint)
+    gates.close(seq, cause)
+    writers: dict[int, int] = {}
+    root = _posted(box, ctx.call.root, tick, mine) if tick is not None else None
+    if tick is not None and root is not None:
+        for p in readers[:int(root[1])]:
+            theirs = _posted(box, p, tick, mine) if p != ctx.rank else None
+            if theirs is not None:
+                writers[p] = int(theirs[1])
+    gates.expose(seq, writers)
+    await _push.settle(gates, ctx.links, seq, ctx.call.op, cause)
 
 
 class _Later:

@@ -29,7 +29,7 @@ from typing import ClassVar
 import numpy as np
 
 from .._stream import Stream
-from ..transports.base import DataLink, Pipe, Signal
+from ..transports.base import Pipe, Signal
 from . import _push
 from ._mesh_whole import OPS as WHOLE_OPS
 from ._mesh_whole import orchestrate_whole, whole_work
@@ -58,12 +58,6 @@ def single_copy(call: Call, topo: Topology) -> bool:
     """Whether ``call`` takes the single-copy path (every rank decides the same)."""
     threshold = SINGLE_COPY_BYTES.get(call.op)
     return topo.single_copy and threshold is not None and call.count * call.itemsize >= threshold
-
-
-def _pipe(link: DataLink) -> Pipe:
-    pipe = link.pipe()
-    assert pipe is not None, "single copy runs only where every link has it"
-    return pipe
 
 
 def _exchange(ctx: Context, signal: Signal, index: int = 0, peers: list[int] | None = None,
@@ -185,9 +179,9 @@ class Mesh(Algorithm):
         try:
             path(self, ctx)
             await ctx.synchronize()
-        except BaseException:
+        except BaseException as exc:
             if ctx.gates is not None and path is Mesh._sc_all_reduce:  # peers may still write our output
-                await _push.settle(ctx.gates, ctx.links, ctx.call.seq, op)
+                await _push.settle(ctx.gates, ctx.links, ctx.call.seq, op, _push.cause_of(exc))
             raise
 
     async def _run_whole(self, ctx: Context) -> None:
@@ -339,9 +333,9 @@ class Mesh(Algorithm):
                 for p in others:
                     link, at = ctx.links[p], ctx.posted(p, Signal.DATA, SC_DATA)
                     mapped = link.view(at + a * item, (b - a) * item)
-                    shares.append((_pipe(link), at, None if mapped is None else mapped.view(src.dtype)))
+                    shares.append((_push.pipe(link), at, None if mapped is None else mapped.view(src.dtype)))
                 owners += _push.owners(ctx.links, gates, others)
-                outputs = [(_pipe(link), ctx.posted(p, Signal.DATA, SC_RESULT)) for link, p, _, _ in owners]
+                outputs = [(_push.pipe(link), ctx.posted(p, Signal.DATA, SC_RESULT)) for link, p, _, _ in owners]
                 tmp_at, out_at = int(scratch.ctypes.data), int(dst.ctypes.data)
                 for lo in range(a, b, step):
                     hi = min(lo + step, b)
