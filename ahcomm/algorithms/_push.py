@@ -23,10 +23,13 @@ sequence number plus one, so that 0 means "none" (a communicator's first call is
 - its *cause*: the rank whose failure ended its call (plus one; 0: none known), set before the
   gate closes, so that a writer stopped there names the rank that failed first.
 
-A rank posts its output's address only once it holds every peer's words' address (the run's
-first round), and marks the call *exposed* then. A call that fails after that closes its gate
-and waits (``settle``, which a cancellation does not cut short) until its own loop and every
-peer still alive has released the call, at most ``RELEASE_WAIT``. What that cannot cover: a
+In mesh a rank posts its output's address only once it holds every peer's words' address (the
+run's first round), and marks the call *exposed* then. direct's forwarded broadcast posts both
+in one mailbox publication, and a reader that fails waits only for the forwarders whose
+publication it sees once its gate is closed (``direct._settle``: the others are past every look
+at its gate). A call that fails after exposing its output closes its gate and waits
+(``settle``, which a cancellation does not cut short) until its own loop and every writer still
+alive has released the call, at most ``RELEASE_WAIT``. What that cannot cover: a
 writer that stalls for longer than that between reading a gate and finishing the one piece
 it then writes (a stopped process, say).
 """
@@ -211,11 +214,12 @@ async def settle(gates: Gates, links: Mapping[int, DataLink], seq: int, op: str,
         raise cancelled
 
 
-def owners(links: Mapping[int, DataLink], gates: Gates, peers: list[int]) -> list[Owner]:
+def owners(links: Mapping[int, DataLink], words: Mapping[int, int]) -> list[Owner]:
     """(link, peer, words' address, its words mapped here or None) of each peer this rank writes
-    into. A cross-process look through the kernel cost 6-9 us a piece on the Intel VM, and slowed
-    the copies beside it (a 2-process copy of the 64 MiB loop: 14.8-14.9 ms a call against 12.1-12.2)."""
-    return [(links[p], p, gates.peers[p], links[p].words(gates.peers[p], WORDS)) for p in peers]
+    into (``words``: each one's words' address, as it posted it). A cross-process look through
+    the kernel cost 6-9 us a piece on the Intel VM, and slowed the copies beside it (a 2-process
+    copy of the 64 MiB loop: 14.8-14.9 ms a call against 12.1-12.2)."""
+    return [(links[p], p, at, links[p].words(at, WORDS)) for p, at in words.items()]
 
 
 def cause_of(error: BaseException) -> int | None:

@@ -282,15 +282,13 @@ async def _broadcast(ctx: Context) -> None:
         at, count = (int(v) for v in box.payload(root, tick).view(np.int64)[:2])
         if count:
             ctx.tally("direct.forward")
-        if r == root or not count:  # the root's own copy, or a reader's whole read
-            if r == root:
-                move = None if np.shares_memory(ctx.dst, ctx.src) else _copying(ctx.dst, ctx.src, ctx.stream_output())
-            else:
-                gates.done(seq)  # writes into no peer's output, and no peer into this one
-                move = _reading(ctx.links[root], ctx.dst, at)
-            lanes = threads(call, ctx.topo)
-            if move is not None:
-                await _copy_all([move], lanes, oversubscribed(ctx.topo, _cores()), inline=on_loop(ctx.topo, lanes))
+        moves: list[Move] = []
+        if r == root:
+            if not np.shares_memory(ctx.dst, ctx.src):
+                moves.append(_copying(ctx.dst, ctx.src, ctx.stream_output()))
+        elif not count:
+            gates.done(seq)  # writes into no peer's output, and no peer into this one
+            moves.append(_reading(ctx.links[root], ctx.dst, at))
         else:
             posted = {p: [int(v) for v in box.payload(p, tick).view(np.int64)[:2]] for p in readers if p != r}
             senders = readers[:count]
@@ -299,6 +297,9 @@ async def _broadcast(ctx: Context) -> None:
                 _forward(ctx, at, _share(ctx.dst.nbytes, count, senders.index(r)), posted)
             else:
                 gates.done(seq)  # writes into no peer's output
+        if moves:
+            lanes = threads(call, ctx.topo)
+            await _copy_all(moves, lanes, oversubscribed(ctx.topo, _cores()), inline=on_loop(ctx.topo, lanes))
         await _finish(ctx)
     except BaseException as exc:
         if r != root:
@@ -328,7 +329,7 @@ def _forward(ctx: Context, at: int, share: tuple[int, int], posted: dict[int, li
     owners: list[_push.Owner] = []
     lo, hi = share
     try:
-        owners += [(ctx.links[p], p, words, ctx.links[p].words(words, _push.WORDS)) for p, (_, words) in posted.items()]
+        owners += _push.owners(ctx.links, {p: words for p, (_, words) in posted.items()})
         mapped = ctx.links[call.root].view(at + lo, hi - lo) if hi > lo else None
         source = _push.pipe(ctx.links[call.root])
         outputs = [(_push.pipe(ctx.links[p]), out) for p, (out, _) in posted.items()]
@@ -370,7 +371,8 @@ async def _settle(ctx: Context, tick: int | None, readers: list[int], cause: int
     gates.close(seq, cause)
     writers: dict[int, int] = {}
     root = _posted(box, ctx.call.root, tick, mine) if tick is not None else None
-    if tick is not None and root is not None:
+    if root is not None:
+        assert tick is not None
         for p in readers[:int(root[1])]:
             theirs = _posted(box, p, tick, mine) if p != ctx.rank else None
             if theirs is not None:

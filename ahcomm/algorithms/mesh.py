@@ -334,7 +334,7 @@ class Mesh(Algorithm):
                     link, at = ctx.links[p], ctx.posted(p, Signal.DATA, SC_DATA)
                     mapped = link.view(at + a * item, (b - a) * item)
                     shares.append((_push.pipe(link), at, None if mapped is None else mapped.view(src.dtype)))
-                owners += _push.owners(ctx.links, gates, others)
+                owners += _push.owners(ctx.links, gates.peers)  # every other rank's (``expose``)
                 outputs = [(_push.pipe(link), ctx.posted(p, Signal.DATA, SC_RESULT)) for link, p, _, _ in owners]
                 tmp_at, out_at = int(scratch.ctypes.data), int(dst.ctypes.data)
                 for lo in range(a, b, step):
